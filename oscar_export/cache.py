@@ -1,0 +1,276 @@
+"""Reference OSCAR KV cache (sink + packed body + recent ring) and reference attention.
+
+This is the ground truth for every backend: plain PyTorch, attention in fp32.
+Layout and eviction rules are specified in docs/format.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .codec import (
+    body_bytes_per_vector,
+    check_finite,
+    check_levels,
+    dequantize,
+    packed_bytes,
+    quantize,
+    torch_scale_dtype,
+)
+from .config import OscarConfig, OscarInputError
+
+KINDS = ("k", "v")
+WINDOW_DTYPE = torch.float16
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def capacities(config: OscarConfig, max_context: int) -> tuple[int, int, int]:
+    """(sink, recent, body) slots allocated for a cache that holds max_context tokens."""
+    sink = min(config.sink, max_context)
+    recent = min(config.recent, max(max_context - config.sink, 0))
+    body = max(max_context - config.sink - config.recent, 0)
+    return sink, recent, body
+
+
+def cache_bytes(config: OscarConfig, layers: int, kv_heads: int, head_dim: int, max_context: int) -> int:
+    """Bytes a cache of max_context tokens allocates: fp16 windows plus packed K and V bodies."""
+    sink, recent, body = capacities(config, max_context)
+    window = (sink + recent) * head_dim * 2 * 2  # K and V, 2 bytes each
+    packed = body * sum(
+        body_bytes_per_vector(head_dim, config.bits(kind), config.cluster_dim, config.scale_bytes) for kind in KINDS
+    )
+    return layers * kv_heads * (window + packed)
+
+
+def bits_per_element(config: OscarConfig, head_dim: int, context: int) -> float:
+    """Average stored bits per K/V element once `context` tokens are cached."""
+    if context <= 0:
+        raise OscarInputError(f"context={context}: expected a positive token count")
+    windows = min(context, config.sink + config.recent)
+    body = context - windows
+    per_body_token = sum(
+        body_bytes_per_vector(head_dim, config.bits(kind), config.cluster_dim, config.scale_bytes) for kind in KINDS
+    )
+    bits = windows * 2 * head_dim * 16 + body * per_body_token * 8
+    return bits / (context * 2 * head_dim)
+
+
+def _check_rotation(name: str, rot: torch.Tensor | None, layers: int, kv_heads: int, head_dim: int):
+    if rot is None:
+        return None
+    rot = torch.as_tensor(rot, dtype=torch.float32)
+    ok = rot.shape in ((layers, head_dim, head_dim), (layers, kv_heads, head_dim, head_dim))
+    if not ok:
+        raise OscarInputError(
+            f"{name} has shape {tuple(rot.shape)}: expected ({layers}, {head_dim}, {head_dim}) per layer "
+            f"or ({layers}, {kv_heads}, {head_dim}, {head_dim}) per KV head"
+        )
+    check_finite(name, rot)
+    if rot.dim() == 3:
+        rot = rot.unsqueeze(1).expand(layers, kv_heads, head_dim, head_dim)
+    return rot.contiguous()
+
+
+class OscarKVCache:
+    """Packed KV cache for one sequence, all layers; K and V are stored rotated.
+
+    Per (layer, KV head) every region is one contiguous block, so a decode kernel
+    reads sink, body codes, body scales/zeros and the recent ring linearly.
+    """
+
+    def __init__(
+        self,
+        config: OscarConfig,
+        layers: int,
+        kv_heads: int,
+        head_dim: int,
+        max_context: int,
+        k_rotation: torch.Tensor | None = None,
+        v_rotation: torch.Tensor | None = None,
+        k_levels: torch.Tensor | None = None,
+        v_levels: torch.Tensor | None = None,
+    ):
+        config.check_head_dim(head_dim)
+        for name, value in (("layers", layers), ("kv_heads", kv_heads), ("max_context", max_context)):
+            if not isinstance(value, int) or value <= 0:
+                raise OscarInputError(f"{name}={value!r}: expected a positive integer")
+        self.config, self.layers, self.kv_heads, self.head_dim = config, layers, kv_heads, head_dim
+        self.max_context = max_context
+        self.rotation = {
+            "k": _check_rotation("k_rotation", k_rotation, layers, kv_heads, head_dim),
+            "v": _check_rotation("v_rotation", v_rotation, layers, kv_heads, head_dim),
+        }
+        self.levels = {}
+        for kind, given in (("k", k_levels), ("v", v_levels)):
+            bits = config.bits(kind)
+            if config.codebook == "uniform":
+                if given is not None:
+                    raise OscarInputError(f"{kind}_levels given but codebook='uniform': expected None")
+                self.levels[kind] = [None] * layers
+            else:
+                if given is None or len(given) != layers:
+                    raise OscarInputError(f"{kind}_levels: expected {layers} Lloyd-Max codebooks of {2**bits} levels")
+                self.levels[kind] = [check_levels(lv, bits, f"{kind}_levels[{i}]") for i, lv in enumerate(given)]
+
+        sink, recent, body = capacities(config, max_context)
+        groups = head_dim // config.cluster_dim
+        sdt = torch_scale_dtype(config.scale_dtype)
+        self.sink = {kind: torch.zeros(layers, kv_heads, sink, head_dim, dtype=WINDOW_DTYPE) for kind in KINDS}
+        self.recent = {kind: torch.zeros(layers, kv_heads, recent, head_dim, dtype=WINDOW_DTYPE) for kind in KINDS}
+        self.codes = {
+            kind: torch.zeros(layers, kv_heads, body, packed_bytes(head_dim, config.bits(kind)), dtype=torch.uint8)
+            for kind in KINDS
+        }
+        self.scale = {kind: torch.zeros(layers, kv_heads, body, groups, dtype=sdt) for kind in KINDS}
+        self.zero = {kind: torch.zeros(layers, kv_heads, body, groups, dtype=sdt) for kind in KINDS}
+        self.length = [0] * layers
+
+    @property
+    def nbytes(self) -> int:
+        regions = (self.sink, self.recent, self.codes, self.scale, self.zero)
+        return sum(t.numel() * t.element_size() for region in regions for t in region.values())
+
+    # -- rotation -------------------------------------------------------------------------
+    def _rotation_per_head(self, kind: str, layer: int, heads: int) -> torch.Tensor | None:
+        rot = self.rotation[kind]
+        if rot is None:
+            return None
+        return rot[layer].repeat_interleave(heads // self.kv_heads, dim=0)
+
+    def rotate(self, kind: str, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """x [heads, T, D] -> x @ R in fp32; query heads use the K rotation of their KV head."""
+        rot = self._rotation_per_head(kind, layer, x.shape[0])
+        x = x.to(torch.float32)
+        return x if rot is None else x @ rot
+
+    def unrotate_values(self, layer: int, out: torch.Tensor) -> torch.Tensor:
+        rot = self._rotation_per_head("v", layer, out.shape[0])
+        return out if rot is None else out @ rot.transpose(-1, -2)
+
+    # -- storage --------------------------------------------------------------------------
+    def _check_chunk(self, layer: int, name: str, x: torch.Tensor, heads: int) -> None:
+        if not 0 <= layer < self.layers:
+            raise OscarInputError(f"layer={layer}: expected 0 <= layer < {self.layers}")
+        if x.dim() != 3 or x.shape[0] != heads or x.shape[2] != self.head_dim:
+            raise OscarInputError(
+                f"{name} has shape {tuple(x.shape)}: expected ({heads}, tokens, {self.head_dim})"
+            )
+        check_finite(name, x)
+
+    def _to_window(self, name: str, x_rot: torch.Tensor) -> torch.Tensor:
+        if bool((x_rot.abs() > FP16_MAX).any()):
+            raise OscarInputError(f"rotated {name} exceeds the fp16 window range ({FP16_MAX:g}): expected smaller values")
+        return x_rot.to(WINDOW_DTYPE)
+
+    def _quantize_into_body(self, kind: str, layer: int, first: int, values: torch.Tensor) -> None:
+        cfg = self.config
+        q = quantize(
+            values.to(torch.float32),
+            cfg.bits(kind),
+            cfg.cluster_dim,
+            cfg.clip(kind),
+            self.levels[kind][layer],
+            cfg.scale_dtype,
+        )
+        end = first + values.shape[1]
+        self.codes[kind][layer, :, first:end] = q.codes
+        self.scale[kind][layer, :, first:end] = q.scale
+        self.zero[kind][layer, :, first:end] = q.zero
+
+    def _rotated_chunks(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Validate a K/V chunk and return it rotated and rounded to fp16, as every region stores it."""
+        for name, x in (("k", k), ("v", v)):
+            self._check_chunk(layer, name, x, self.kv_heads)
+        if k.shape[1] != v.shape[1]:
+            raise OscarInputError(f"k has {k.shape[1]} tokens but v has {v.shape[1]}: expected the same count")
+        n0, t = self.length[layer], k.shape[1]
+        if n0 + t > self.max_context:
+            raise OscarInputError(f"cache capacity exceeded: {n0} + {t} tokens > max_context={self.max_context}")
+        return {kind: self._to_window(kind, self.rotate(kind, layer, x)) for kind, x in (("k", k), ("v", v))}
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store post-RoPE k, v [kv_heads, T, head_dim] at positions length..length+T-1."""
+        self._store(layer, self._rotated_chunks(layer, k, v))
+
+    def _store(self, layer: int, chunks: dict[str, torch.Tensor]) -> None:
+        n0 = self.length[layer]
+        n1 = n0 + chunks["k"].shape[1]
+        s, w = self.config.sink, self.config.recent
+        for kind, chunk in chunks.items():
+            # Sink: positions < s.
+            sink_end = min(s, n1)
+            if n0 < sink_end:
+                self.sink[kind][layer, :, n0:sink_end] = chunk[:, : sink_end - n0]
+            # Body: positions that leave (or skip) the recent window, quantized from their fp16 value.
+            body_from, body_to = max(s, n0 - w), max(s, n1 - w)
+            if body_to > body_from:
+                positions = torch.arange(body_from, body_to)
+                from_ring = positions < n0
+                values = torch.empty(self.kv_heads, body_to - body_from, self.head_dim, dtype=WINDOW_DTYPE)
+                if bool(from_ring.any()):
+                    values[:, from_ring] = self.recent[kind][layer][:, (positions[from_ring] - s) % w]
+                values[:, ~from_ring] = chunk[:, positions[~from_ring] - n0]
+                self._quantize_into_body(kind, layer, body_from - s, values)
+            # Recent ring: the last w positions, slot (p - s) % w.
+            ring_from = max(s, n1 - w, n0)
+            if w and ring_from < n1:
+                positions = torch.arange(ring_from, n1)
+                self.recent[kind][layer][:, (positions - s) % w] = chunk[:, positions - n0]
+        self.length[layer] = n1
+
+    def stored(self, kind: str, layer: int) -> torch.Tensor:
+        """Rotated K or V of the cached tokens in position order, fp32 [kv_heads, n, D]."""
+        n = self.length[layer]
+        s, w = self.config.sink, self.config.recent
+        parts = [self.sink[kind][layer, :, : min(s, n)].to(torch.float32)]
+        n_body = max(n - s - w, 0)
+        if n_body:
+            parts.append(
+                dequantize(
+                    self.codes[kind][layer, :, :n_body],
+                    self.scale[kind][layer, :, :n_body],
+                    self.zero[kind][layer, :, :n_body],
+                    self.config.bits(kind),
+                    self.config.cluster_dim,
+                    self.levels[kind][layer],
+                )
+            )
+        ring_from = max(s, n - w)
+        if ring_from < n:
+            slots = (torch.arange(ring_from, n) - s) % w
+            parts.append(self.recent[kind][layer][:, slots].to(torch.float32))
+        return torch.cat(parts, dim=1)
+
+    # -- attention ------------------------------------------------------------------------
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None = None
+    ) -> torch.Tensor:
+        """Causal GQA attention of a chunk, then append the chunk.
+
+        q [q_heads, T, D], k/v [kv_heads, T, D] post-RoPE, at positions length..length+T-1.
+        Queries see the cache as it was before the chunk plus the chunk's own K/V at fp16.
+        Returns fp32 [q_heads, T, D] in the model's (unrotated) space.
+        """
+        chunks = self._rotated_chunks(layer, k, v)
+        if q.dim() != 3 or q.shape[0] % self.kv_heads or q.shape[1:] != k.shape[1:]:
+            raise OscarInputError(
+                f"q has shape {tuple(q.shape)}: expected (q_heads, {k.shape[1]}, {self.head_dim}) "
+                f"with q_heads a multiple of {self.kv_heads}"
+            )
+        check_finite("q", q)
+        n0, t = self.length[layer], q.shape[1]
+        group = q.shape[0] // self.kv_heads
+        keys, values = (
+            torch.cat([self.stored(kind, layer), chunks[kind].to(torch.float32)], dim=1).repeat_interleave(group, dim=0)
+            for kind in KINDS
+        )
+        scale = self.head_dim**-0.5 if scaling is None else scaling
+        scores = (self.rotate("k", layer, q) @ keys.transpose(-1, -2)) * scale
+        key_pos = torch.arange(n0 + t)
+        query_pos = torch.arange(n0, n0 + t)
+        scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], -math.inf)
+        out = torch.softmax(scores, dim=-1) @ values
+        self._store(layer, chunks)
+        return self.unrotate_values(layer, out)

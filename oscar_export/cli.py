@@ -1,0 +1,276 @@
+"""The oscar-export command line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from . import __version__
+from .config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
+
+TARGETS = ("android", "ios", "laptop")
+# Runtime name -> Python distribution that provides it.
+RUNTIMES = {
+    "torch": "torch",
+    "transformers": "transformers",
+    "onnxruntime": "onnxruntime",
+    "executorch": "executorch",
+    "coremltools": "coremltools",
+    "triton": "triton",
+}
+LATER = {
+    "calibrate": "fit OSCAR rotations from a local checkpoint",
+    "eval": "quality of the packed cache against the baselines",
+    "rotations": "convert and check rotation files",
+    "run": "generate text from an exported artifact",
+    "bench": "benchmark the OSCAR attention kernels",
+    "parity": "compare codes, outputs and tokens across runtimes",
+}
+
+out = Console()
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments give one line and exit code 2, never a usage dump."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: expected a positive integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not positive: expected a positive integer")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: expected a token count >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: expected a token count >= 0")
+    return value
+
+
+def add_cache_flags(p: argparse.ArgumentParser) -> None:
+    defaults = OscarConfig()
+    g = p.add_argument_group("KV cache format")
+    g.add_argument("--bits", type=int, choices=SUPPORTED_BITS, default=defaults.k_bits, help="bits per K and V code")
+    g.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, help="bits per K code (overrides --bits)")
+    g.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="bits per V code (overrides --bits)")
+    g.add_argument("--cluster-dim", type=int, choices=SUPPORTED_CLUSTER_DIMS, default=defaults.cluster_dim,
+                   help="quantization group along head_dim (default %(default)s)")
+    g.add_argument("--k-clip", type=float, default=defaults.k_clip, help="fraction of each K group's range kept")
+    g.add_argument("--v-clip", type=float, default=defaults.v_clip, help="fraction of each V group's range kept")
+    g.add_argument("--sink", type=_count, default=defaults.sink, help="fp16 sink tokens (default %(default)s)")
+    g.add_argument("--recent", type=_count, default=defaults.recent, help="fp16 recent window (default %(default)s)")
+
+
+def config_from_args(args: argparse.Namespace) -> OscarConfig:
+    return OscarConfig(
+        k_bits=args.k_bits or args.bits,
+        v_bits=args.v_bits or args.bits,
+        cluster_dim=args.cluster_dim,
+        k_clip=args.k_clip,
+        v_clip=args.v_clip,
+        sink=args.sink,
+        recent=args.recent,
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def _print_plan(p: dict) -> None:
+    table = Table(title=f"Memory plan: {p['model']} at {p['context']} tokens on {_gib(p['device_memory_bytes'])}")
+    table.add_column("item")
+    table.add_column("OSCAR cache", justify="right")
+    table.add_column("fp16 cache", justify="right")
+    w = p["weights_breakdown"]
+    table.add_row(f"weights ({p['weight_bits']}-bit linear, {p['embedding_bits']}-bit embeddings)",
+                  _gib(p["weights_bytes"]), _gib(p["weights_bytes"]))
+    table.add_row("  linear layers / embeddings / lm_head",
+                  f"{_gib(w['linear'])} / {_gib(w['embeddings'])} / {_gib(w['lm_head'])}", "")
+    table.add_row("KV bytes per token", f"{p['kv_bytes_per_token']:,}", f"{p['kv_bytes_per_token_fp16']:,}")
+    table.add_row(f"KV cache at {p['context']} tokens", _gib(p["kv_bytes"]), _gib(p["kv_bytes_fp16"]))
+    table.add_row("bits per K/V element", f"{p['bits_per_element']:.3f}", "16.000")
+    table.add_row("runtime/OS reserve", _gib(p["reserve_bytes"]), _gib(p["reserve_bytes"]))
+    table.add_row("largest context that fits", f"{p['max_context']:,}", f"{p['max_context_fp16']:,}")
+    table.add_row("verdict", "fits" if p["fits"] else "does NOT fit", "fits" if p["fits_fp16"] else "does NOT fit")
+    out.print(table)
+    for warning in p["warnings"]:
+        out.print(f"[yellow]warning:[/yellow] {warning}")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .models import model_shape
+    from .planner import parse_bytes, plan
+
+    memory = parse_bytes(args.device_memory, "--device-memory")
+    reserve = parse_bytes(args.reserve, "--reserve") if args.reserve else None
+    result = plan(
+        model_shape(args.model),
+        config_from_args(args),
+        memory,
+        args.context,
+        weight_bits=args.weight_bits,
+        embedding_bits=args.embedding_bits,
+        reserve=reserve,
+        weight_group=args.weight_group,
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_plan(result)
+    return 0
+
+
+def _installed(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .models import BUNDLED_MODEL_DIR
+
+    versions = {name: _installed(dist) for name, dist in RUNTIMES.items()}
+    runtimes = {name: v is not None and importlib.util.find_spec(name) is not None for name, v in versions.items()}
+    info = {
+        "version": __version__,
+        "python": sys.version.split()[0],
+        "bundled_model": str(BUNDLED_MODEL_DIR),
+        "bundled_model_present": (BUNDLED_MODEL_DIR / "model.safetensors").is_file(),
+        "runtimes": runtimes,
+        "versions": versions,
+        # Native op libraries arrive with the ONNX Runtime and ExecuTorch targets.
+        "native_op_libraries": {"onnxruntime": False, "executorch": False},
+        "targets": {target: False for target in TARGETS},
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    table = Table(title=f"oscar-export {__version__}")
+    table.add_column("item")
+    table.add_column("status")
+    table.add_row("bundled model", f"{info['bundled_model']} ({'present' if info['bundled_model_present'] else 'missing'})")
+    for name, ok in runtimes.items():
+        table.add_row(f"runtime {name}", versions[name] if ok else "not installed")
+    for name, ok in info["native_op_libraries"].items():
+        table.add_row(f"native ops for {name}", "built" if ok else "not built yet")
+    for name, ok in info["targets"].items():
+        table.add_row(f"target {name}", "available" if ok else "not available yet")
+    out.print(table)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .models import model_shape
+    from .planner import parse_bytes, plan
+    from .report import codec_report
+
+    config = config_from_args(args)
+    shape = model_shape(args.model)
+    planned = plan(shape, config, parse_bytes(args.device_memory, "--device-memory"),
+                   shape.max_position_embeddings or 4096)
+    report = codec_report(args.model, config, args.text, args.tokens)
+    if args.json:
+        print(json.dumps({"plan": planned, "codec": report}, indent=2))
+        return 0
+    _print_plan(planned)
+    table = Table(title=f"Codec on real K/V of {report['model']}: {report['tokens']} tokens, "
+                        f"{report['layers']} layers, head_dim {report['head_dim']}, cluster_dim {config.cluster_dim}, "
+                        f"sink {config.sink}, recent {config.recent}")
+    for col in ("bits", "rotation", "bits/elem", "K rel err", "V rel err", "decode attn rel err"):
+        table.add_column(col, justify="right")
+    for r in report["rows"]:
+        table.add_row(str(r["bits"]), r["rotation"], f"{r['bits_per_element']:.3f}", f"{r['k_rel_error']:.4f}",
+                      f"{r['v_rel_error']:.4f}", f"{r['decode_attn_rel_error']:.4f}")
+    out.print(table)
+    return 0
+
+
+def cmd_later(args: argparse.Namespace) -> int:
+    print(f"oscar-export {args.command}: not available yet in this version ({LATER[args.command]})", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="oscar-export", description="Export language models with a 2-bit OSCAR KV cache.")
+    parser.add_argument("--version", action="version", version=f"oscar-export {__version__}")
+    parser.add_argument("--target", choices=TARGETS, help="export the model for a device family")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    p = sub.add_parser("plan", help="does a model and context fit a device?",
+                       description="Memory plan: weights + OSCAR KV cache + reserve against device memory.")
+    p.add_argument("--model", default="bundled",
+                   help="'bundled', a preset (llama-2-7b, llama-3-8b, qwen2.5-7b, mistral-7b) or a local HF checkpoint")
+    p.add_argument("--device-memory", default="8GB", help="device memory, e.g. 8GB (binary units)")
+    p.add_argument("--context", type=_positive_int, default=4096, help="tokens of context (default %(default)s)")
+    p.add_argument("--weight-bits", type=int, choices=(4, 8, 16), default=4, help="bits of the linear weights")
+    p.add_argument("--embedding-bits", type=int, choices=(4, 8, 16), default=16, help="bits of the embedding table")
+    p.add_argument("--weight-group", type=_positive_int, default=32,
+                   help="input channels per weight scale/zero (default %(default)s)")
+    p.add_argument("--reserve", help="memory kept for OS, runtime and activations (default 20%% of device memory)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_cache_flags(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("info", help="what is installed and which runtimes are available",
+                       description="Installed runtimes, native op libraries and the bundled model.")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("report", help="memory plan and codec report on a model's real K/V",
+                       description="Plan for the model, then bits per element and reconstruction error of the "
+                                   "packed cache at 2, 3 and 4 bits on the model's captured K/V.")
+    p.add_argument("--model", default="bundled", help="'bundled' or a local HF checkpoint directory")
+    p.add_argument("--text", type=Path, help="UTF-8 text to run (default: the bundled held-out text)")
+    p.add_argument("--tokens", type=_positive_int, default=1024, help="tokens of text (default %(default)s)")
+    p.add_argument("--device-memory", default="8GB", help="device memory for the plan (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_cache_flags(p)
+    p.set_defaults(func=cmd_report)
+
+    for name, text in LATER.items():
+        p = sub.add_parser(name, help=f"{text} (not available yet)", description=f"{text}: not available yet.")
+        p.set_defaults(func=cmd_later)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command in LATER:
+        return cmd_later(args)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.target:
+        print(f"oscar-export --target {args.target}: export is not available yet in this version", file=sys.stderr)
+        return 2
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return args.func(args)
+    except OscarInputError as err:
+        print(f"oscar-export {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""The normative OSCAR-KV codec: per-group asymmetric quantization and bit packing.
+
+Every backend (C++, Triton, ONNX, Core ML) reproduces these functions bit for bit;
+docs/format.md states the same rules in prose. Inputs are already rotated vectors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .config import SUPPORTED_BITS, OscarInputError
+
+_TORCH_SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# Every 8 codes of b bits form one b-byte little-endian word (2-bit: 4 codes a byte,
+# 3-bit: 8 codes in 3 bytes, 4-bit: 2 codes a byte).
+CODES_PER_WORD = 8
+
+
+class Quantized(NamedTuple):
+    codes: torch.Tensor  # uint8 [..., head_dim * bits // 8], packed
+    scale: torch.Tensor  # scale_dtype [..., head_dim // cluster_dim]
+    zero: torch.Tensor  # scale_dtype [..., head_dim // cluster_dim]
+
+
+def torch_scale_dtype(name: str) -> torch.dtype:
+    return _TORCH_SCALE_DTYPES[name]
+
+
+def check_finite(name: str, x: torch.Tensor) -> None:
+    if not bool(torch.isfinite(x).all()):
+        bad = "NaN" if bool(torch.isnan(x).any()) else "inf"
+        raise OscarInputError(f"{name} contains {bad}: expected finite values")
+
+
+def uniform_levels(bits: int) -> torch.Tensor:
+    return torch.arange(2**bits, dtype=torch.float32)
+
+
+def check_levels(levels: torch.Tensor, bits: int, name: str = "levels") -> torch.Tensor:
+    """Levels are in code units: 2**bits ascending values inside [0, 2**bits - 1]."""
+    n = 2**bits
+    levels = torch.as_tensor(levels, dtype=torch.float32)
+    if levels.shape != (n,):
+        raise OscarInputError(f"{name} has shape {tuple(levels.shape)}: expected ({n},) for {bits}-bit codes")
+    check_finite(name, levels)
+    if not bool((levels[1:] > levels[:-1]).all()) or levels[0] < 0 or levels[-1] > n - 1:
+        raise OscarInputError(f"{name}={levels.tolist()}: expected strictly ascending values in [0, {n - 1}]")
+    return levels
+
+
+def thresholds(levels: torch.Tensor) -> torch.Tensor:
+    """Decision boundaries: fp32 midpoints of consecutive levels."""
+    return (levels[:-1] + levels[1:]) * 0.5
+
+
+def packed_bytes(head_dim: int, bits: int) -> int:
+    return head_dim * bits // 8
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes [..., n] (n a multiple of 8) -> packed uint8 [..., n * bits // 8]."""
+    *lead, n = codes.shape
+    words = codes.to(torch.int64).reshape(*lead, n // CODES_PER_WORD, CODES_PER_WORD)
+    shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64) * bits
+    word = (words << shifts).sum(-1, keepdim=True)
+    byte_shifts = torch.arange(bits, dtype=torch.int64) * 8
+    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(*lead, n * bits // 8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of pack_codes: packed uint8 [..., m] -> uint8 codes [..., m * 8 // bits]."""
+    *lead, m = packed.shape
+    chunks = packed.to(torch.int64).reshape(*lead, m // bits, bits)
+    word = (chunks << (torch.arange(bits, dtype=torch.int64) * 8)).sum(-1, keepdim=True)
+    shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64) * bits
+    return ((word >> shifts) & (2**bits - 1)).to(torch.uint8).reshape(*lead, m * 8 // bits)
+
+
+def _groups(x: torch.Tensor, cluster_dim: int) -> torch.Tensor:
+    *lead, d = x.shape
+    if d % cluster_dim:
+        raise OscarInputError(f"last dimension {d} is not a multiple of cluster_dim={cluster_dim}")
+    return x.reshape(*lead, d // cluster_dim, cluster_dim)
+
+
+def group_scale_zero(
+    groups: torch.Tensor, bits: int, clip: float, scale_dtype: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group (scale, zero) in scale_dtype from fp32 groups [..., G, cluster_dim]."""
+    lo = groups.amin(-1)
+    hi = groups.amax(-1)
+    if clip < 1.0:
+        mid = (hi + lo) * 0.5
+        half = (hi - lo) * torch.tensor(0.5 * clip, dtype=torch.float32)
+        lo, hi = mid - half, mid + half
+    dtype = torch_scale_dtype(scale_dtype)
+    scale = ((hi - lo) / float(2**bits - 1)).to(dtype)
+    zero = lo.to(dtype)
+    if not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(zero).all())):
+        raise OscarInputError(
+            f"values exceed the range of scale_dtype={scale_dtype} "
+            f"(max {torch.finfo(dtype).max:g}): expected smaller magnitudes or scale_dtype='float32'"
+        )
+    return scale, zero
+
+
+def encode(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Code of each element: the number of thresholds that u = (x - zero) / scale exceeds."""
+    s = scale.to(torch.float32).unsqueeze(-1)
+    u = (groups - zero.to(torch.float32).unsqueeze(-1)) / s
+    codes = (u.unsqueeze(-1) > thresholds(levels)).sum(-1)
+    # A zero scale (constant group) has no defined u: its codes are 0 by definition.
+    return torch.where(s == 0, torch.zeros_like(codes), codes).to(torch.uint8)
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    cluster_dim: int,
+    clip: float = 1.0,
+    levels: torch.Tensor | None = None,
+    scale_dtype: str = "float16",
+) -> Quantized:
+    """Quantize fp32 vectors [..., head_dim] group by group and pack the codes."""
+    if bits not in SUPPORTED_BITS:
+        raise OscarInputError(f"bits={bits!r}: expected one of {SUPPORTED_BITS}")
+    check_finite("input", x)
+    levels = uniform_levels(bits) if levels is None else check_levels(levels, bits)
+    groups = _groups(x.to(torch.float32), cluster_dim)
+    scale, zero = group_scale_zero(groups, bits, clip, scale_dtype)
+    codes = encode(groups, scale, zero, levels)
+    return Quantized(pack_codes(codes.flatten(-2), bits), scale, zero)
+
+
+def dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bits: int,
+    cluster_dim: int,
+    levels: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Packed codes and per-group scale/zero -> fp32 [..., head_dim]: zero + scale * level[code]."""
+    levels = uniform_levels(bits) if levels is None else check_levels(levels, bits)
+    unpacked = unpack_codes(codes, bits).to(torch.int64)
+    values = _groups(levels[unpacked], cluster_dim)
+    out = zero.to(torch.float32).unsqueeze(-1) + scale.to(torch.float32).unsqueeze(-1) * values
+    return out.flatten(-2)
+
+
+def normalized_codes(x: torch.Tensor, bits: int, cluster_dim: int, clip: float, scale_dtype: str) -> torch.Tensor:
+    """Each element in code units u = (x - zero) / scale, clamped to [0, 2**bits - 1] (for Lloyd-Max fitting)."""
+    groups = _groups(x.to(torch.float32), cluster_dim)
+    scale, zero = group_scale_zero(groups, bits, clip, scale_dtype)
+    s = scale.to(torch.float32).unsqueeze(-1)
+    u = (groups - zero.to(torch.float32).unsqueeze(-1)) / torch.where(s == 0, torch.ones_like(s), s)
+    return u[(s != 0).expand_as(u)].clamp(0, 2**bits - 1)
+
+
+def fit_lloyd_max_levels(samples: torch.Tensor, bits: int, iterations: int = 50) -> torch.Tensor:
+    """Lloyd-Max levels in code units for samples u in [0, 2**bits - 1], starting from uniform levels."""
+    n = 2**bits
+    u = samples.reshape(-1).to(torch.float32)
+    levels = uniform_levels(bits)
+    for _ in range(iterations):
+        idx = (u.unsqueeze(-1) > thresholds(levels)).sum(-1)
+        sums = torch.zeros(n).index_add_(0, idx, u)
+        counts = torch.bincount(idx, minlength=n).to(torch.float32)
+        # An empty cell keeps its level, so the codebook stays strictly ascending.
+        levels = torch.where(counts > 0, sums / counts.clamp(min=1), levels)
+    levels = levels.clamp(0, n - 1)
+    for i in range(1, n):  # keep strictly ascending even if two cells collapsed
+        if levels[i] <= levels[i - 1]:
+            levels[i] = torch.nextafter(levels[i - 1], torch.tensor(float(n)))
+    return check_levels(levels, bits)
+
+
+def body_bytes_per_vector(head_dim: int, bits: int, cluster_dim: int, scale_bytes: int) -> int:
+    """Bytes one quantized K or V vector takes in the packed body: codes + scale + zero per group."""
+    return packed_bytes(head_dim, bits) + (head_dim // cluster_dim) * 2 * scale_bytes

@@ -1,0 +1,126 @@
+"""Model shapes: the bundled model, local Hugging Face checkpoints and built-in presets."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import OscarInputError
+
+BUNDLED_MODEL_DIR = Path(__file__).parent / "assets" / "bundled_model"
+
+# Architecture fields of public checkpoints (from their published config.json files).
+PRESETS: dict[str, dict] = {
+    "llama-2-7b": dict(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, intermediate_size=11008, vocab_size=32000,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+    ),
+    "llama-3-8b": dict(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, intermediate_size=14336, vocab_size=128256,
+        max_position_embeddings=8192, tie_word_embeddings=False,
+    ),
+    "qwen2.5-7b": dict(
+        model_type="qwen2", hidden_size=3584, num_hidden_layers=28, num_attention_heads=28,
+        num_key_value_heads=4, intermediate_size=18944, vocab_size=152064,
+        max_position_embeddings=131072, tie_word_embeddings=False, attention_bias=True,
+    ),
+    "mistral-7b": dict(
+        model_type="mistral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+        max_position_embeddings=32768, tie_word_embeddings=False,
+    ),
+}
+# Qwen2 puts biases on q/k/v only; other families here have none.
+_BIAS_BY_TYPE = {"qwen2": True}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner and the cache need to know about a decoder-only transformer."""
+
+    name: str
+    layers: int
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int | None
+
+    @classmethod
+    def from_hf_config(cls, name: str, cfg: dict) -> "ModelShape":
+        cfg = cfg.get("text_config", cfg)  # multimodal wrappers nest the language model
+        required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+        missing = [key for key in required if not isinstance(cfg.get(key), int)]
+        if missing:
+            raise OscarInputError(
+                f"model config of {name!r} lacks attention/shape fields {missing}: "
+                "expected a decoder-only Hugging Face config.json (llama, qwen2, qwen3, mistral)"
+            )
+        q_heads = cfg["num_attention_heads"]
+        kv_heads = cfg.get("num_key_value_heads") or q_heads
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // q_heads
+        if q_heads % kv_heads:
+            raise OscarInputError(
+                f"model config of {name!r}: num_attention_heads={q_heads} is not a multiple of "
+                f"num_key_value_heads={kv_heads}"
+            )
+        return cls(
+            name=name,
+            layers=cfg["num_hidden_layers"],
+            hidden=cfg["hidden_size"],
+            q_heads=q_heads,
+            kv_heads=kv_heads,
+            head_dim=head_dim,
+            intermediate=cfg["intermediate_size"],
+            vocab=cfg["vocab_size"],
+            tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", _BIAS_BY_TYPE.get(cfg.get("model_type"), False))),
+            max_position_embeddings=cfg.get("max_position_embeddings"),
+        )
+
+
+def model_dir(name_or_path: str) -> Path:
+    """'bundled' or a local checkpoint directory holding config.json."""
+    if name_or_path == "bundled":
+        path = BUNDLED_MODEL_DIR
+    else:
+        path = Path(name_or_path).expanduser()
+    if not (path / "config.json").is_file():
+        presets = ", ".join(PRESETS)
+        hint = f" ({name_or_path!r} is a preset without weights)" if name_or_path in PRESETS else ""
+        raise OscarInputError(
+            f"model {name_or_path!r}: no config.json there{hint}; expected 'bundled' or a local "
+            f"Hugging Face checkpoint directory (planner presets: {presets})"
+        )
+    return path
+
+
+def model_shape(name_or_path: str) -> ModelShape:
+    """Shape from a preset name, 'bundled', or a local checkpoint directory."""
+    if name_or_path in PRESETS:
+        return ModelShape.from_hf_config(name_or_path, PRESETS[name_or_path])
+    path = model_dir(name_or_path)
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise OscarInputError(f"model {name_or_path!r}: config.json is not readable JSON ({err})") from None
+    if not isinstance(cfg, dict):
+        raise OscarInputError(f"model {name_or_path!r}: config.json is not a JSON object")
+    return ModelShape.from_hf_config(name_or_path, cfg)
+
+
+def load_model(name_or_path: str = "bundled"):
+    """(model, tokenizer) from 'bundled' or a local checkpoint, offline, fp32, eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = model_dir(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32")
+    return model.eval(), tokenizer
