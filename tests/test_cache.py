@@ -1,0 +1,132 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oscar_export import OscarConfig, OscarInputError, OscarKVCache, bits_per_element, cache_bytes
+from oscar_export.codec import dequantize, quantize
+
+D, HKV, HQ = 64, 2, 4
+
+
+def orthogonal(seed, *lead):
+    q, _ = torch.linalg.qr(torch.randn(*lead, D, D, generator=torch.Generator().manual_seed(seed)))
+    return q
+
+
+def expected_kv(x, rot, cfg, kind, n_cached):
+    """Position-by-position representation after n_cached tokens, written from the format rules alone."""
+    out = [x[:, :0]]
+    for p in range(n_cached):
+        vec = (x[:, p] @ rot).to(torch.float16).float()
+        in_body = cfg.sink <= p < n_cached - cfg.recent
+        if in_body:
+            bits, clip = cfg.bits(kind), cfg.clip(kind)
+            vec = dequantize(*quantize(vec, bits, cfg.cluster_dim, clip), bits, cfg.cluster_dim)
+        out.append(vec[:, None])
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        OscarConfig(sink=3, recent=5),
+        OscarConfig(k_bits=3, v_bits=4, cluster_dim=32, sink=0, recent=7, k_clip=0.9),
+        OscarConfig(sink=4, recent=0),
+        OscarConfig(sink=0, recent=0),
+    ],
+)
+def test_decode_attention_matches_independent_attention(cfg):
+    gen = torch.Generator().manual_seed(0)
+    n = 23
+    q, k, v = torch.randn(HQ, n, D, generator=gen), torch.randn(HKV, n, D, generator=gen), torch.randn(HKV, n, D, generator=gen)
+    rk, rv = orthogonal(1), orthogonal(2)
+    cache = OscarKVCache(cfg, 1, HKV, D, n, rk.unsqueeze(0), rv.unsqueeze(0))
+    for t in range(n):
+        out = cache.attend(0, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])
+        # Independent: the cached tokens as the format says, plus the new token at fp16.
+        keys = torch.cat([expected_kv(k, rk, cfg, "k", t), (k[:, t : t + 1] @ rk).half().float()], 1)
+        vals = torch.cat([expected_kv(v, rv, cfg, "v", t), (v[:, t : t + 1] @ rv).half().float()], 1)
+        ref = F.scaled_dot_product_attention((q[:, t : t + 1] @ rk)[None], keys[None], vals[None], enable_gqa=True)[0]
+        torch.testing.assert_close(out, ref @ rv.T, rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_matches_sdpa_up_to_fp16_and_rotation_is_invisible():
+    # Everything in fp16 windows: only fp16 rounding separates the result from plain attention.
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(HQ, 40, D, generator=gen), torch.randn(HKV, 40, D, generator=gen), torch.randn(HKV, 40, D, generator=gen)
+    cache = OscarKVCache(OscarConfig(sink=8, recent=64), 1, HKV, D, 40, orthogonal(3, 1, HKV), orthogonal(4, 1, HKV))
+    out = cache.attend(0, q, k, v)
+    ref = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)[0]
+    torch.testing.assert_close(out, ref, rtol=0, atol=3e-3)
+
+
+@pytest.mark.parametrize("chunks", [[23], [1] * 23, [5, 1, 9, 8], [12, 11], [3, 17, 3]])
+def test_chunking_does_not_change_the_stored_cache(chunks):
+    cfg = OscarConfig(k_bits=3, v_bits=2, cluster_dim=32, sink=3, recent=6)
+    gen = torch.Generator().manual_seed(2)
+    k, v = torch.randn(HKV, 23, D, generator=gen), torch.randn(HKV, 23, D, generator=gen)
+    one = OscarKVCache(cfg, 2, HKV, D, 30)
+    one.append(1, k, v)
+    many = OscarKVCache(cfg, 2, HKV, D, 30)
+    start = 0
+    for size in chunks:
+        many.append(1, k[:, start : start + size], v[:, start : start + size])
+        start += size
+    for region in ("sink", "recent", "codes", "scale", "zero"):
+        for kind in ("k", "v"):
+            assert torch.equal(getattr(one, region)[kind], getattr(many, region)[kind]), (region, kind)
+    torch.testing.assert_close(many.stored("k", 1), expected_kv(k, torch.eye(D), cfg, "k", 23), rtol=0, atol=0)
+
+
+def test_ring_slots_follow_the_documented_rule():
+    cfg = OscarConfig(sink=2, recent=4)
+    cache = OscarKVCache(cfg, 1, 1, D, 20)
+    x = torch.arange(11, dtype=torch.float32)[None, :, None].expand(1, 11, D).contiguous()
+    cache.append(0, x, x)
+    # Positions 7..10 live in the ring at slot (p - 2) % 4: 7->1, 8->2, 9->3, 10->0.
+    assert cache.recent["k"][0, 0, :, 0].tolist() == [10.0, 7.0, 8.0, 9.0]
+    assert cache.sink["k"][0, 0, :, 0].tolist() == [0.0, 1.0]
+    # Body rows 0..4 hold positions 2..6 (constant vectors: exact, scale 0).
+    assert cache.zero["k"][0, 0, :5, 0].tolist() == [2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+def test_nbytes_matches_formula_and_capacity_is_enforced():
+    for cfg in (OscarConfig(), OscarConfig(k_bits=3, v_bits=4, cluster_dim=32, sink=5, recent=3, scale_dtype="float32")):
+        for max_context in (1, 10, 64, 320, 321, 1000):
+            cache = OscarKVCache(cfg, 3, HKV, D, max_context)
+            assert cache.nbytes == cache_bytes(cfg, 3, HKV, D, max_context)
+    cache = OscarKVCache(OscarConfig(sink=2, recent=2), 1, HKV, D, 5)
+    cache.append(0, torch.zeros(HKV, 5, D), torch.zeros(HKV, 5, D))
+    with pytest.raises(OscarInputError, match="cache capacity exceeded: 5 \\+ 1 tokens > max_context=5"):
+        cache.append(0, torch.zeros(HKV, 1, D), torch.zeros(HKV, 1, D))
+
+
+def test_bits_per_element():
+    cfg = OscarConfig(cluster_dim=128)
+    assert bits_per_element(cfg, 128, 320) == 16.0
+    assert bits_per_element(cfg, 128, 131072) <= 2.30
+    assert abs(bits_per_element(cfg, 128, 10**9) - 2.25) < 1e-4
+    assert abs(bits_per_element(OscarConfig(k_bits=4, v_bits=4, cluster_dim=32, sink=0, recent=0), 64, 7) - 5.0) < 1e-12
+
+
+def test_bad_input_is_named():
+    cache = OscarKVCache(OscarConfig(), 2, HKV, D, 16)
+    with pytest.raises(OscarInputError, match=r"k has shape \(3, 4, 64\): expected \(2, tokens, 64\)"):
+        cache.append(0, torch.zeros(3, 4, D), torch.zeros(HKV, 4, D))
+    with pytest.raises(OscarInputError, match="layer=2"):
+        cache.append(2, torch.zeros(HKV, 1, D), torch.zeros(HKV, 1, D))
+    bad = torch.zeros(HKV, 1, D)
+    bad[0, 0, 0] = float("nan")
+    with pytest.raises(OscarInputError, match="v contains NaN"):
+        cache.append(0, torch.zeros(HKV, 1, D), bad)
+    with pytest.raises(OscarInputError, match="fp16 window range"):
+        cache.append(0, torch.full((HKV, 1, D), 1e6), torch.zeros(HKV, 1, D))
+    with pytest.raises(OscarInputError, match="q has shape"):
+        cache.attend(0, torch.zeros(3, 1, D), torch.zeros(HKV, 1, D), torch.zeros(HKV, 1, D))
+    with pytest.raises(OscarInputError, match="k_rotation has shape"):
+        OscarKVCache(OscarConfig(), 2, HKV, D, 16, k_rotation=torch.eye(D))
+    with pytest.raises(OscarInputError, match="cluster_dim=64 does not divide head_dim=48"):
+        OscarKVCache(OscarConfig(), 2, HKV, 48, 16)
+    with pytest.raises(OscarInputError, match="k_levels: expected 2 Lloyd-Max codebooks"):
+        OscarKVCache(OscarConfig(codebook="lloyd-max"), 2, HKV, D, 16)
+    assert cache.length == [0, 0]  # nothing half-written

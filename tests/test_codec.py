@@ -1,0 +1,178 @@
+import math
+
+import pytest
+import torch
+
+from numpy_codec import quantize_vector
+from oscar_export.codec import (
+    dequantize,
+    fit_lloyd_max_levels,
+    normalized_codes,
+    pack_codes,
+    quantize,
+    unpack_codes,
+)
+from oscar_export.config import OscarConfig, OscarInputError
+
+
+def _pack(codes, bits):
+    codes = torch.tensor(codes + [0] * (-len(codes) % 8), dtype=torch.uint8)
+    return pack_codes(codes, bits).tolist()
+
+
+def test_two_bit_bytes_by_hand():
+    assert _pack([1, 2, 3, 0, 0, 0, 0, 0], 2) == [0x39, 0x00]
+    assert _pack([3, 3, 3, 3, 0, 1, 2, 3], 2) == [0xFF, 0xE4]
+
+
+def test_three_bit_bytes_by_hand():
+    # word = 1 + 2<<3 + 3<<6 + 4<<9 + 5<<12 + 6<<15 + 7<<18 = 0x1F58D1, little-endian bytes
+    assert _pack([1, 2, 3, 4, 5, 6, 7, 0], 3) == [0xD1, 0x58, 0x1F]
+    assert _pack([7] * 8, 3) == [0xFF, 0xFF, 0xFF]
+
+
+def test_four_bit_bytes_by_hand():
+    assert _pack([1, 15, 10, 2, 0, 0, 0, 0], 4) == [0xF1, 0x2A, 0x00, 0x00]
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_pack_unpack_round_trip(bits):
+    codes = torch.randint(0, 2**bits, (5, 3, 128), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (5, 3, 128 * bits // 8)
+    assert torch.equal(unpack_codes(packed, bits), codes)
+
+
+def test_quantize_by_hand_two_bit():
+    # Group spans [0, 3]: scale 1, zero 0; u == x, so codes count thresholds 0.5, 1.5, 2.5 strictly exceeded.
+    x = torch.tensor([0.0, 3.0, 0.5, 0.51, 1.5, 1.6, 2.5, 2.9] * 4)
+    q = quantize(x, bits=2, cluster_dim=32)
+    assert q.scale.tolist() == [1.0] and q.zero.tolist() == [0.0]
+    assert unpack_codes(q.codes, 2).tolist() == [0, 3, 0, 1, 1, 2, 2, 3] * 4
+    assert dequantize(*q, 2, 32).tolist() == [0.0, 3.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0] * 4
+
+
+def test_quantize_by_hand_clip():
+    # Range [-2, 2] clipped to 0.5: [-1, 1]; 4-bit scale = 2/15 in fp16; outside values saturate.
+    x = torch.tensor([-2.0, 2.0, 0.0, -1.0] * 8)
+    q = quantize(x, bits=4, cluster_dim=32, clip=0.5)
+    assert q.zero.tolist() == [-1.0]
+    assert q.scale.item() == torch.tensor(2 / 15, dtype=torch.float16).item()
+    codes = unpack_codes(q.codes, 4).tolist()
+    assert codes[:4] == [0, 15, 8, 0]  # 0.0 -> u = 1/scale = 7.5009 -> above threshold 7.5
+
+
+def test_constant_group_has_zero_scale_and_zero_codes():
+    x = torch.full((2, 64), 0.3)
+    q = quantize(x, bits=3, cluster_dim=32)
+    assert torch.all(q.scale == 0) and torch.all(q.codes == 0)
+    assert torch.equal(dequantize(*q, 3, 32), torch.full((2, 64), torch.tensor(0.3, dtype=torch.float16).item()))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("cluster_dim", [32, 64, 128])
+def test_matches_numpy_port(bits, cluster_dim):
+    gen = torch.Generator().manual_seed(bits * 1000 + cluster_dim)
+    x = torch.randn(6, 128, generator=gen) * torch.logspace(-2, 2, 6).unsqueeze(1)
+    for clip in (1.0, 0.93):
+        q = quantize(x, bits, cluster_dim, clip)
+        for row in range(x.shape[0]):
+            codes, scales, zeros = quantize_vector(x[row].numpy(), bits, cluster_dim, clip)
+            assert q.codes[row].tolist() == codes.tolist()
+            assert q.scale[row].tolist() == scales.astype("float32").tolist()
+            assert q.zero[row].tolist() == zeros.astype("float32").tolist()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("cluster_dim", [32, 64, 128])
+def test_error_bound_and_gaussian_error(bits, cluster_dim):
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2000, 128, generator=gen)
+    q = quantize(x, bits, cluster_dim)
+    err = (dequantize(*q, bits, cluster_dim) - x).reshape(2000, -1, cluster_dim)
+    groups = x.reshape(2000, -1, cluster_dim)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    bound = q.scale.float() / 2 + 2**-11 * (lo.abs() + (hi - lo)) + 1e-6
+    assert torch.all(err.abs() <= bound.unsqueeze(-1))
+    # Uniform rounding error: RMS = step / sqrt(12), step = E[range] / (L - 1).
+    expected = (hi - lo).mean() / (2**bits - 1) / math.sqrt(12)
+    rms = err.pow(2).mean().sqrt()
+    assert 0.9 * expected < rms < 1.1 * expected
+
+
+def test_error_grows_with_group_size_and_falls_with_bits():
+    x = torch.randn(500, 128, generator=torch.Generator().manual_seed(3))
+
+    def rel(bits, g):
+        return float((dequantize(*quantize(x, bits, g), bits, g) - x).norm() / x.norm())
+
+    for g in (32, 64, 128):
+        assert rel(2, g) > rel(3, g) > rel(4, g)
+    for bits in (2, 3, 4):
+        assert rel(bits, 32) < rel(bits, 64) < rel(bits, 128)
+    # Gaussian data, cluster_dim 64: theory (E[range] / (L-1) / sqrt(12)) gives 0.46, 0.20, 0.092.
+    assert rel(2, 64) < 0.47 and rel(3, 64) < 0.21 and rel(4, 64) < 0.10
+
+
+def test_lloyd_max_beats_uniform_on_gaussian_data():
+    x = torch.randn(4000, 64, generator=torch.Generator().manual_seed(5))
+    u = normalized_codes(x, 2, 64, 1.0, "float16")
+    levels = fit_lloyd_max_levels(u, 2)
+    assert levels[0] > 0 and levels[-1] < 3  # pulled inward, where Gaussian mass is
+    uniform = (dequantize(*quantize(x, 2, 64), 2, 64) - x).pow(2).mean()
+    lloyd = (dequantize(*quantize(x, 2, 64, levels=levels), 2, 64, levels) - x).pow(2).mean()
+    assert lloyd < 0.9 * uniform
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_input_is_rejected(bad):
+    x = torch.randn(2, 64)
+    x[1, 5] = bad
+    with pytest.raises(OscarInputError, match="input contains (NaN|inf)"):
+        quantize(x, 2, 64)
+
+
+def test_fp16_overflow_is_rejected_but_float32_scales_work():
+    x = torch.tensor([-1e6, 1e6] * 16)
+    with pytest.raises(OscarInputError, match="scale_dtype=float16"):
+        quantize(x, 2, 32)
+    q = quantize(x, 2, 32, scale_dtype="float32")
+    assert torch.equal(dequantize(*q, 2, 32), x)
+
+
+def test_bad_arguments():
+    with pytest.raises(OscarInputError, match="bits=5"):
+        quantize(torch.zeros(64), 5, 32)
+    with pytest.raises(OscarInputError, match="not a multiple of cluster_dim=48"):
+        quantize(torch.zeros(64), 2, 48)
+    with pytest.raises(OscarInputError, match="strictly ascending"):
+        quantize(torch.zeros(64), 2, 32, levels=torch.tensor([0.0, 2.0, 1.0, 3.0]))
+    with pytest.raises(OscarInputError, match="shape"):
+        quantize(torch.zeros(64), 2, 32, levels=torch.tensor([0.0, 3.0]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(k_bits=5), "k_bits=5: expected one of"),
+        (dict(v_bits=1), "v_bits=1"),
+        (dict(cluster_dim=48), "cluster_dim=48"),
+        (dict(k_clip=1.5), "k_clip=1.5"),
+        (dict(v_clip=float("nan")), "v_clip=nan"),
+        (dict(codebook="kmeans"), "codebook='kmeans'"),
+        (dict(sink=-1), "sink=-1"),
+        (dict(scale_dtype="int8"), "scale_dtype='int8'"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, message):
+    with pytest.raises(OscarInputError, match=message):
+        OscarConfig(**kwargs)
+
+
+def test_config_head_dim_and_round_trip():
+    with pytest.raises(OscarInputError, match="cluster_dim=128 does not divide head_dim=64"):
+        OscarConfig(cluster_dim=128).check_head_dim(64)
+    cfg = OscarConfig.reference_recipe()
+    assert OscarConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(OscarInputError, match="unknown fields"):
+        OscarConfig.from_dict({"bitz": 2})
