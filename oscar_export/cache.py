@@ -145,6 +145,16 @@ class OscarKVCache:
         x = x.to(torch.float32)
         return x if rot is None else x @ rot
 
+    def set_rotation(self, layer: int, k_rotation: torch.Tensor, v_rotation: torch.Tensor) -> None:
+        """Replace one layer's rotations ([D, D] or [kv_heads, D, D]) before it caches any token (online mode)."""
+        if self.length[layer]:
+            raise OscarInputError(f"layer {layer} already holds {self.length[layer]} tokens: rotations are frozen")
+        eye = torch.eye(self.head_dim).expand(self.layers, self.kv_heads, self.head_dim, self.head_dim)
+        for kind, rot in (("k", k_rotation), ("v", v_rotation)):
+            if self.rotation[kind] is None:
+                self.rotation[kind] = eye.clone()
+            self.rotation[kind][layer] = rot
+
     def unrotate_values(self, layer: int, out: torch.Tensor) -> torch.Tensor:
         rot = self._rotation_per_head("v", layer, out.shape[0])
         return out if rot is None else out @ rot.transpose(-1, -2)

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import __version__
+from .cli_rotations import add_rotations_command
 from .config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
 
 TARGETS = ("android", "ios", "laptop")
@@ -26,9 +27,7 @@ RUNTIMES = {
     "triton": "triton",
 }
 LATER = {
-    "calibrate": "fit OSCAR rotations from a local checkpoint",
     "eval": "quality of the packed cache against the baselines",
-    "rotations": "convert and check rotation files",
     "run": "generate text from an exported artifact",
     "bench": "benchmark the OSCAR attention kernels",
     "parity": "compare codes, outputs and tokens across runtimes",
@@ -204,6 +203,62 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import resource
+    import time
+
+    from .calibrate import calibrate
+    from .models import load_model
+    from .report import DEFAULT_TEXT
+    from .rotation_files import RotationSet, save_rotations
+
+    config = config_from_args(args)
+    text_path = args.text or DEFAULT_TEXT
+    if not Path(text_path).is_file():
+        raise OscarInputError(f"text file {str(text_path)!r} does not exist: expected a UTF-8 text file")
+    start = time.perf_counter()
+    model, tokenizer = load_model(args.model, offload_folder=args.offload_folder, max_memory=args.max_memory)
+    result = calibrate(model, tokenizer, Path(text_path).read_text(encoding="utf-8", errors="replace"), config,
+                       tokens=args.tokens, heldout_tokens=args.heldout_tokens, per_head=args.per_head,
+                       lloyd_max=args.lloyd_max, text_name=f"text file {str(text_path)!r}")
+    metadata = {
+        "model": args.model,
+        "objective": "oscar",
+        "composition": "U.H.P_br",
+        "k_clip": result["k_clip"],
+        "v_clip": result["v_clip"],
+        "codebook": "lloyd-max" if args.lloyd_max else "uniform",
+        "k_bits": config.k_bits,
+        "v_bits": config.v_bits,
+        "cluster_dim": config.cluster_dim,
+        "calibration_tokens": args.tokens,
+        "calibration_text": str(text_path),
+    }
+    rotation_set = RotationSet(
+        k=result["k_rotation"], v=result["v_rotation"], metadata=metadata,
+        k_levels=result.get("k_levels"), v_levels=result.get("v_levels"),
+        k_eigenvalues=result["k_eigenvalues"], v_eigenvalues=result["v_eigenvalues"],
+    )
+    save_rotations(args.out, rotation_set)
+    summary = {
+        "out": str(args.out),
+        "layers": result["layers"],
+        "head_dim": result["head_dim"],
+        "per_head": args.per_head,
+        "k_clip": result["k_clip"],
+        "v_clip": result["v_clip"],
+        "seconds": round(time.perf_counter() - start, 1),
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        out.print(f"wrote {summary['out']}: {summary['layers']} layers, head_dim {summary['head_dim']}, "
+                  f"clip K {summary['k_clip']} V {summary['v_clip']}, {summary['seconds']} s, "
+                  f"peak RSS {summary['peak_rss_bytes'] / 2**20:.0f} MiB")
+    return 0
+
+
 def cmd_later(args: argparse.Namespace) -> int:
     print(f"oscar-export {args.command}: not available yet in this version ({LATER[args.command]})", file=sys.stderr)
     return 2
@@ -246,6 +301,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_flags(p)
     p.set_defaults(func=cmd_report)
 
+    p = sub.add_parser("calibrate", help="fit OSCAR rotations from a local checkpoint",
+                       description="Fit K and V rotations (R = U.H.P_br), clip ratios and optional Lloyd-Max "
+                                   "levels from the model's own activations; writes a rotation file.")
+    p.add_argument("--model", default="bundled", help="'bundled' or a local HF checkpoint directory")
+    p.add_argument("--out", required=True, type=Path, help="rotation file to write (.safetensors)")
+    p.add_argument("--text", type=Path, help="UTF-8 calibration text (default: the bundled held-out text)")
+    p.add_argument("--tokens", type=_positive_int, default=16384, help="calibration tokens (default %(default)s)")
+    p.add_argument("--heldout-tokens", type=_positive_int, default=512,
+                   help="further tokens for the clip search and Lloyd-Max fit (default %(default)s)")
+    p.add_argument("--per-head", action="store_true", help="one rotation per (layer, KV head) (format v2)")
+    p.add_argument("--lloyd-max", action="store_true", help="fit Lloyd-Max levels per layer for K and V")
+    p.add_argument("--offload-folder", type=Path, help="offload weights that do not fit in memory to this folder")
+    p.add_argument("--max-memory", help="memory the weights may use before offloading, e.g. 4GB")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_cache_flags(p)
+    p.set_defaults(func=cmd_calibrate)
+
+    add_rotations_command(sub)
     for name, text in LATER.items():
         p = sub.add_parser(name, help=f"{text} (not available yet)", description=f"{text}: not available yet.")
         p.set_defaults(func=cmd_later)

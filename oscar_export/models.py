@@ -116,11 +116,20 @@ def model_shape(name_or_path: str) -> ModelShape:
     return ModelShape.from_hf_config(name_or_path, cfg)
 
 
-def load_model(name_or_path: str = "bundled"):
-    """(model, tokenizer) from 'bundled' or a local checkpoint, offline, fp32, eval mode."""
+def load_model(name_or_path: str = "bundled", offload_folder=None, max_memory: str | None = None):
+    """(model, tokenizer) from 'bundled' or a local checkpoint, offline, fp32, eval mode.
+
+    With offload_folder (and optionally max_memory, e.g. "4GB"), weights that do not fit stay on
+    disk and are streamed in by accelerate layer by layer, so models larger than memory still run.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = model_dir(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32")
+    kwargs = {}
+    if offload_folder is not None:
+        kwargs = dict(device_map="auto", offload_folder=str(offload_folder))
+        if max_memory:
+            kwargs["max_memory"] = {"cpu": max_memory}
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32", **kwargs)
     return model.eval(), tokenizer

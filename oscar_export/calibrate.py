@@ -1,0 +1,194 @@
+"""Fit OSCAR rotations, clip ratios and Lloyd-Max levels from a model's own activations.
+
+Memory stays O(layers x D^2) whatever the token count: the K and V objectives are streamed
+into D x D accumulators, and only one bounded held-out window is kept for the clip search.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .capture import capture_qkv, collect_qkv
+from .codec import dequantize, fit_lloyd_max_levels, normalized_codes, quantize
+from .config import OscarConfig, OscarInputError
+from .progress import progress
+from .rotations import oscar_rotation
+
+CLIP_CANDIDATES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80)
+
+
+def query_covariance(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Per KV head, the sum of Q_g^T Q_g over the query heads sharing it: [kv_heads, D, D] (float64)."""
+    heads, _, d = q.shape
+    grouped = q.to(torch.float64).reshape(kv_heads, -1, d)  # query heads of KV head g are consecutive
+    return grouped.transpose(1, 2) @ grouped
+
+
+def value_weights(k: torch.Tensor, q_cov: torch.Tensor) -> torch.Tensor:
+    """w[t] = k_t Sigma_Q k_t^T per KV head: how strongly the queries read token t. [kv_heads, T]."""
+    k = k.to(torch.float64)
+    return ((k @ q_cov) * k).sum(-1)
+
+
+@dataclass
+class ObjectiveAccumulators:
+    """Streaming sums for one layer's K objective (query covariance) and V objective (score-weighted)."""
+
+    kv_heads: int
+    head_dim: int
+    q_sum: torch.Tensor = field(init=False)
+    q_count: int = 0
+    v_sum: torch.Tensor = field(init=False)
+    w_total: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        shape = (self.kv_heads, self.head_dim, self.head_dim)
+        self.q_sum = torch.zeros(shape, dtype=torch.float64)
+        self.v_sum = torch.zeros(shape, dtype=torch.float64)
+        self.w_total = torch.zeros(self.kv_heads, dtype=torch.float64)
+
+    def add_queries(self, q: torch.Tensor) -> None:
+        self.q_sum += query_covariance(q, self.kv_heads)
+        self.q_count += q.shape[1] * (q.shape[0] // self.kv_heads)
+
+    @property
+    def q_cov(self) -> torch.Tensor:
+        return self.q_sum / max(self.q_count, 1)
+
+    def add_values(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        w = value_weights(k, self.q_cov)
+        v = v.to(torch.float64)
+        self.v_sum += (v * w.unsqueeze(-1)).transpose(1, 2) @ v
+        self.w_total += w.sum(-1)
+
+    @property
+    def v_cov(self) -> torch.Tensor:
+        # Weights normalised to mean 1: sum w v v^T / sum w.
+        return self.v_sum / self.w_total.clamp(min=1e-30).view(-1, 1, 1)
+
+
+def rotations_from(acc: list[ObjectiveAccumulators], per_head: bool) -> dict[str, torch.Tensor]:
+    """R = U.H.P_br for K and V of every layer; per layer the KV-head covariances are averaged."""
+    out: dict[str, list] = {"k": [], "v": [], "k_eig": [], "v_eig": []}
+    for layer in acc:
+        for kind, cov in (("k", layer.q_cov), ("v", layer.v_cov)):
+            rot, eig = oscar_rotation(cov if per_head else cov.mean(0))
+            out[kind].append(rot)
+            out[f"{kind}_eig"].append(eig)
+    return {name: torch.stack(items) for name, items in out.items()}
+
+
+def _expand(rot: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[D, D] or [kv_heads, D, D] -> [kv_heads, D, D]."""
+    return rot.expand(kv_heads, *rot.shape[-2:]) if rot.dim() == 2 else rot
+
+
+def _roundtrip(x_rot: torch.Tensor, bits: int, cluster_dim: int, clip: float, scale_dtype: str) -> torch.Tensor:
+    q = quantize(x_rot, bits, cluster_dim, clip, None, scale_dtype)
+    return dequantize(*q, bits, cluster_dim)
+
+
+def _attention(q, k, v):
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)[0]
+
+
+def clip_errors(
+    heldout: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    rotations: dict[str, torch.Tensor],
+    config: OscarConfig,
+    kind: str,
+    candidates=CLIP_CANDIDATES,
+) -> dict[float, float]:
+    """Mean attention-output relative error over layers when only `kind` is quantized, per clip ratio."""
+    errors = {c: 0.0 for c in candidates}
+    for layer, (q, k, v) in heldout.items():
+        exact = _attention(q, k, v)
+        x = k if kind == "k" else v
+        rot = _expand(rotations[kind][layer], x.shape[0])
+        x_rot = (x.to(torch.float32) @ rot).to(torch.float16).to(torch.float32)
+        for clip in candidates:
+            approx = _roundtrip(x_rot, config.bits(kind), config.cluster_dim, clip, config.scale_dtype)
+            back = approx @ rot.transpose(-1, -2)
+            out = _attention(q, back, v) if kind == "k" else _attention(q, k, back)
+            errors[clip] += float((out - exact).norm() / exact.norm()) / len(heldout)
+    return errors
+
+
+def _tokens_from_text(tokenizer, text: str, tokens: int, name: str) -> torch.Tensor:
+    ids = tokenizer(text)["input_ids"]
+    if len(ids) < tokens:
+        raise OscarInputError(f"{name} has {len(ids)} tokens: expected at least {tokens} (--tokens plus held-out)")
+    return torch.tensor(ids[:tokens])
+
+
+def calibrate(
+    model,
+    tokenizer,
+    text: str,
+    config: OscarConfig,
+    tokens: int = 16384,
+    heldout_tokens: int = 512,
+    window: int = 512,
+    per_head: bool = False,
+    lloyd_max: bool = False,
+    text_name: str = "calibration text",
+) -> dict:
+    """Rotations (and clip ratios, Lloyd-Max levels) for `model` from `tokens` tokens of `text`.
+
+    The first `tokens` tokens feed the K and V objectives in windows of `window` tokens; the next
+    `heldout_tokens` pick the clip ratios by attention-output error and fit Lloyd-Max levels.
+    """
+    if tokens <= 0 or heldout_tokens <= 0 or window <= 0:
+        raise OscarInputError("tokens, heldout_tokens and window: expected positive token counts")
+    ids = _tokens_from_text(tokenizer, text, tokens + heldout_tokens, text_name)
+    calib, heldout_ids = ids[:tokens], ids[tokens:]
+    windows = [calib[i : i + window] for i in range(0, tokens, window)]
+    layers = model.config.get_text_config().num_hidden_layers
+    acc: list[ObjectiveAccumulators] = []
+
+    def stream(pass_name, add):
+        for chunk in progress(windows, f"calibration: {pass_name} ({len(windows)} windows x {layers} layers)"):
+            with capture_qkv(model, add), torch.no_grad():
+                model(input_ids=chunk[None], use_cache=False)
+
+    def add_queries(layer, q, k, v):
+        if layer == len(acc):
+            acc.append(ObjectiveAccumulators(k.shape[1], k.shape[-1]))
+        acc[layer].add_queries(q[0])
+
+    # Two passes: the V objective weights tokens by the final query covariance.
+    stream("query covariance", add_queries)
+    config.check_head_dim(acc[0].head_dim)
+    stream("score-weighted value covariance", lambda layer, q, k, v: acc[layer].add_values(k[0], v[0]))
+    rot = rotations_from(acc, per_head)
+
+    heldout = collect_qkv(model, heldout_ids[None])
+    clips = {}
+    for kind in progress(("k", "v"), "calibration: clip search"):
+        errors = clip_errors(heldout, rot, config, kind)
+        clips[kind] = min(errors, key=errors.get)
+    result = {
+        "k_rotation": rot["k"],
+        "v_rotation": rot["v"],
+        "k_eigenvalues": rot["k_eig"],
+        "v_eigenvalues": rot["v_eig"],
+        "k_clip": clips["k"],
+        "v_clip": clips["v"],
+        "kv_heads": acc[0].kv_heads,
+        "head_dim": acc[0].head_dim,
+        "layers": layers,
+    }
+    if lloyd_max:
+        for kind in ("k", "v"):
+            bits = config.bits(kind)
+            levels = []
+            for layer, (q, k, v) in heldout.items():
+                x = k if kind == "k" else v
+                x_rot = (x @ _expand(rot[kind][layer], x.shape[0])).to(torch.float16).to(torch.float32)
+                u = normalized_codes(x_rot, bits, config.cluster_dim, clips[kind], config.scale_dtype)
+                levels.append(fit_lloyd_max_levels(u, bits))
+            result[f"{kind}_levels"] = torch.stack(levels)
+    return result

@@ -1,0 +1,223 @@
+"""Hugging Face integration: OscarCache, a transformers Cache holding the real packed OSCAR cache.
+
+`patch_model_for_kv_quant` switches a model's attention to the reference OSCAR attention, so
+`model.generate()` stores K/V as packed codes (sink + recent windows + body) and attends over them.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .cache import OscarKVCache
+from .calibrate import ObjectiveAccumulators, rotations_from
+from .config import OscarConfig, OscarInputError
+from .rotations import hadamard_rotations
+
+ATTENTION_IMPLEMENTATION = "oscar"
+ROTATION_MODES = ("online", "hadamard", "none")
+
+
+@dataclass
+class OscarSettings:
+    """What patch_model_for_kv_quant attached to a model."""
+
+    config: OscarConfig
+    rotations: str | object  # a mode from ROTATION_MODES or a RotationSet
+    max_context: int | None
+
+
+def _model_shape(model) -> tuple[int, int, int]:
+    cfg = model.config.get_text_config()
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, cfg.num_key_value_heads or heads, head_dim
+
+
+class OscarCacheLayer(CacheLayerMixin):
+    """One layer's view of the shared packed cache. update() hands the new chunk to the attention."""
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, owner: "OscarCache", layer_idx: int):
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.pending = False
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise OscarInputError(f"batch size {key_states.shape[0]}: OscarCache holds one sequence (batch size 1)")
+        self.is_initialized = True
+        self.pending = True  # the OSCAR attention consumes this chunk and stores it
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.owner.kv.length[self.layer_idx]
+
+    def get_max_length(self) -> int:
+        return self.owner.kv.max_context
+
+    def reset(self) -> None:
+        raise OscarInputError("OscarCache cannot be reset: create a new OscarCache for a new sequence")
+
+
+class OscarCache(Cache):
+    """A transformers Cache whose storage is the packed OSCAR cache of one sequence.
+
+    Create it for a patched model (or pass config/rotations yourself); it attaches itself to
+    the model's attention layers, so one OscarCache is live per model at a time.
+    """
+
+    def __init__(self, model, max_context: int | None = None, config: OscarConfig | None = None, rotations=None):
+        settings: OscarSettings | None = getattr(model, "oscar", None)
+        if settings is None and config is None:
+            raise OscarInputError("OscarCache: the model is not patched; call patch_model_for_kv_quant(model) first")
+        config = config or settings.config
+        rotations = rotations if rotations is not None else (settings.rotations if settings else "none")
+        max_context = max_context or (settings.max_context if settings else None)
+        layers, kv_heads, head_dim = _model_shape(model)
+        if not max_context:
+            max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 4096
+        k_rot = v_rot = k_levels = v_levels = None
+        self.online = rotations == "online"
+        if rotations == "hadamard":
+            k_rot = v_rot = hadamard_rotations(layers, head_dim)
+        elif rotations not in ROTATION_MODES:
+            k_rot, v_rot = rotations.k, rotations.v
+            k_levels, v_levels = rotations.k_levels, rotations.v_levels
+            if config.codebook == "uniform":
+                k_levels = v_levels = None
+        self.kv = OscarKVCache(config, layers, kv_heads, head_dim, max_context, k_rot, v_rot, k_levels, v_levels)
+        super().__init__(layers=[OscarCacheLayer(self, i) for i in range(layers)])
+        _set_target(model, self)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the packed cache really allocates (windows, codes, scales and zeros)."""
+        return self.kv.nbytes
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling) -> torch.Tensor:
+        if self.online and self.kv.length[layer] == 0:
+            # Online mode: the prompt's own Q/K/V estimate this layer's rotations, then they are frozen.
+            acc = ObjectiveAccumulators(self.kv.kv_heads, self.kv.head_dim)
+            acc.add_queries(q)
+            acc.add_values(k, v)
+            rot = rotations_from([acc], per_head=False)
+            self.kv.set_rotation(layer, rot["k"][0], rot["v"][0])
+        return self.kv.attend(layer, q, k, v, scaling)
+
+
+def _set_target(model, target) -> None:
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "head_dim"):
+            module.oscar_target = target
+
+
+def _oscar_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    target = getattr(module, "oscar_target", None)
+    if isinstance(target, OscarCache):
+        layer = target.layers[module.layer_idx]
+        target = target if layer.pending else None
+        layer.pending = False
+    if target is None:
+        # A forward without an OscarCache (use_cache=False): plain attention.
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if query.shape[0] != 1:
+        raise OscarInputError(f"batch size {query.shape[0]}: the OSCAR cache holds one sequence (batch size 1)")
+    out = target.attend(module.layer_idx, query[0].float(), key[0].float(), value[0].float(), scaling)
+    # transformers expects [batch, tokens, heads, head_dim]
+    return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION_IMPLEMENTATION, _oscar_attention)
+
+
+@contextmanager
+def route_attention(model, target):
+    """Within the block, every attention layer of `model` calls target.attend(layer, q, k, v, scaling).
+
+    For forwards without a transformers cache (use_cache=False); pass position_ids explicitly
+    when feeding a sequence in chunks. `target` is any object with that attend method:
+    an OscarKVCache, or a baseline cache used by the evaluation.
+    """
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+    _set_target(model, target)
+    try:
+        yield target
+    finally:
+        _set_target(model, None)
+        model.set_attn_implementation(previous)
+
+
+def _resolve_rotations(rotations, model):
+    if rotations is None:
+        return "none"
+    if isinstance(rotations, str) and rotations in ROTATION_MODES:
+        return rotations
+    if isinstance(rotations, (str, Path)):
+        from .rotation_files import load_rotations
+
+        layers, kv_heads, head_dim = _model_shape(model)
+        return load_rotations(rotations, layers=layers, head_dim=head_dim, kv_heads=kv_heads)
+    return rotations  # a RotationSet
+
+
+def patch_model_for_kv_quant(
+    model,
+    bits: int = 2,
+    cluster_dim: int = 64,
+    rotations="online",
+    backend: str = "reference",
+    max_context: int | None = None,
+    **config,
+):
+    """Make `model.generate()` keep its KV cache as packed OSCAR codes.
+
+    rotations: "online" (estimated from each prompt, no calibration file), "hadamard"
+    (data-free), "none", a rotation file path, or a RotationSet. Extra keyword arguments are
+    OscarConfig fields (k_clip, v_clip, sink, recent, codebook, ...); a rotation file's clip
+    ratios and codebook apply unless given here.
+    """
+    if backend != "reference":
+        raise OscarInputError(f"backend={backend!r}: expected 'reference' (the only backend in this version)")
+    resolved = _resolve_rotations(rotations, model)
+    if resolved not in ROTATION_MODES:
+        meta = resolved.metadata
+        for key in ("k_clip", "v_clip", "codebook"):
+            if key in meta and meta[key] is not None:
+                config.setdefault(key, meta[key])
+        config = {k: v for k, v in config.items()}
+    cfg = OscarConfig(k_bits=config.pop("k_bits", bits), v_bits=config.pop("v_bits", bits),
+                      cluster_dim=cluster_dim, **config)
+    cfg.check_head_dim(_model_shape(model)[2])
+    model.oscar = OscarSettings(cfg, resolved, max_context)
+    model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
+    if not hasattr(model, "_generate_without_oscar"):
+        model._generate_without_oscar = model.generate
+
+        @functools.wraps(model._generate_without_oscar)
+        def generate(*args, **kwargs):
+            if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+                ids = kwargs.get("input_ids", args[0] if args else None)
+                new = kwargs.get("max_new_tokens") or model.generation_config.max_new_tokens or 20
+                length = model.oscar.max_context or (ids.shape[-1] + new if ids is not None else None)
+                kwargs["cache"] = OscarCache(model, max_context=length)
+            return model._generate_without_oscar(*args, **kwargs)
+
+        model.generate = generate
+    return model
