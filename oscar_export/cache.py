@@ -91,16 +91,20 @@ class OscarKVCache:
         v_rotation: torch.Tensor | None = None,
         k_levels: torch.Tensor | None = None,
         v_levels: torch.Tensor | None = None,
+        device: torch.device | str = "cpu",
     ):
         config.check_head_dim(head_dim)
         for name, value in (("layers", layers), ("kv_heads", kv_heads), ("max_context", max_context)):
             if not isinstance(value, int) or value <= 0:
                 raise OscarInputError(f"{name}={value!r}: expected a positive integer")
         self.config, self.layers, self.kv_heads, self.head_dim = config, layers, kv_heads, head_dim
-        self.max_context = max_context
+        self.max_context, self.device = max_context, torch.device(device)
         self.rotation = {
-            "k": _check_rotation("k_rotation", k_rotation, layers, kv_heads, head_dim),
-            "v": _check_rotation("v_rotation", v_rotation, layers, kv_heads, head_dim),
+            kind: None if rot is None else rot.to(self.device)
+            for kind, rot in (
+                ("k", _check_rotation("k_rotation", k_rotation, layers, kv_heads, head_dim)),
+                ("v", _check_rotation("v_rotation", v_rotation, layers, kv_heads, head_dim)),
+            )
         }
         self.levels = {}
         for kind, given in (("k", k_levels), ("v", v_levels)):
@@ -117,14 +121,19 @@ class OscarKVCache:
         sink, recent, body = capacities(config, max_context)
         groups = head_dim // config.cluster_dim
         sdt = torch_scale_dtype(config.scale_dtype)
-        self.sink = {kind: torch.zeros(layers, kv_heads, sink, head_dim, dtype=WINDOW_DTYPE) for kind in KINDS}
-        self.recent = {kind: torch.zeros(layers, kv_heads, recent, head_dim, dtype=WINDOW_DTYPE) for kind in KINDS}
+        dev = self.device
+        self.sink = {kind: torch.zeros(layers, kv_heads, sink, head_dim, dtype=WINDOW_DTYPE, device=dev) for kind in KINDS}
+        self.recent = {
+            kind: torch.zeros(layers, kv_heads, recent, head_dim, dtype=WINDOW_DTYPE, device=dev) for kind in KINDS
+        }
         self.codes = {
-            kind: torch.zeros(layers, kv_heads, body, packed_bytes(head_dim, config.bits(kind)), dtype=torch.uint8)
+            kind: torch.zeros(
+                layers, kv_heads, body, packed_bytes(head_dim, config.bits(kind)), dtype=torch.uint8, device=dev
+            )
             for kind in KINDS
         }
-        self.scale = {kind: torch.zeros(layers, kv_heads, body, groups, dtype=sdt) for kind in KINDS}
-        self.zero = {kind: torch.zeros(layers, kv_heads, body, groups, dtype=sdt) for kind in KINDS}
+        self.scale = {kind: torch.zeros(layers, kv_heads, body, groups, dtype=sdt, device=dev) for kind in KINDS}
+        self.zero = {kind: torch.zeros(layers, kv_heads, body, groups, dtype=sdt, device=dev) for kind in KINDS}
         self.length = [0] * layers
 
     @property
@@ -142,18 +151,18 @@ class OscarKVCache:
     def rotate(self, kind: str, layer: int, x: torch.Tensor) -> torch.Tensor:
         """x [heads, T, D] -> x @ R in fp32; query heads use the K rotation of their KV head."""
         rot = self._rotation_per_head(kind, layer, x.shape[0])
-        x = x.to(torch.float32)
+        x = x.to(self.device, torch.float32)
         return x if rot is None else x @ rot
 
     def set_rotation(self, layer: int, k_rotation: torch.Tensor, v_rotation: torch.Tensor) -> None:
         """Replace one layer's rotations ([D, D] or [kv_heads, D, D]) before it caches any token (online mode)."""
         if self.length[layer]:
             raise OscarInputError(f"layer {layer} already holds {self.length[layer]} tokens: rotations are frozen")
-        eye = torch.eye(self.head_dim).expand(self.layers, self.kv_heads, self.head_dim, self.head_dim)
+        eye = torch.eye(self.head_dim, device=self.device).expand(self.layers, self.kv_heads, self.head_dim, self.head_dim)
         for kind, rot in (("k", k_rotation), ("v", v_rotation)):
             if self.rotation[kind] is None:
                 self.rotation[kind] = eye.clone()
-            self.rotation[kind][layer] = rot
+            self.rotation[kind][layer] = rot.to(self.device)
 
     def unrotate_values(self, layer: int, out: torch.Tensor) -> torch.Tensor:
         rot = self._rotation_per_head("v", layer, out.shape[0])
@@ -216,9 +225,11 @@ class OscarKVCache:
             # Body: positions that leave (or skip) the recent window, quantized from their fp16 value.
             body_from, body_to = max(s, n0 - w), max(s, n1 - w)
             if body_to > body_from:
-                positions = torch.arange(body_from, body_to)
+                positions = torch.arange(body_from, body_to, device=self.device)
                 from_ring = positions < n0
-                values = torch.empty(self.kv_heads, body_to - body_from, self.head_dim, dtype=WINDOW_DTYPE)
+                values = torch.empty(
+                    self.kv_heads, body_to - body_from, self.head_dim, dtype=WINDOW_DTYPE, device=self.device
+                )
                 if bool(from_ring.any()):
                     values[:, from_ring] = self.recent[kind][layer][:, (positions[from_ring] - s) % w]
                 values[:, ~from_ring] = chunk[:, positions[~from_ring] - n0]
@@ -226,7 +237,7 @@ class OscarKVCache:
             # Recent ring: the last w positions, slot (p - s) % w.
             ring_from = max(s, n1 - w, n0)
             if w and ring_from < n1:
-                positions = torch.arange(ring_from, n1)
+                positions = torch.arange(ring_from, n1, device=self.device)
                 self.recent[kind][layer][:, (positions - s) % w] = chunk[:, positions - n0]
         self.length[layer] = n1
 
@@ -249,7 +260,7 @@ class OscarKVCache:
             )
         ring_from = max(s, n - w)
         if ring_from < n:
-            slots = (torch.arange(ring_from, n) - s) % w
+            slots = (torch.arange(ring_from, n, device=self.device) - s) % w
             parts.append(self.recent[kind][layer][:, slots].to(torch.float32))
         return torch.cat(parts, dim=1)
 
@@ -278,8 +289,8 @@ class OscarKVCache:
         )
         scale = self.head_dim**-0.5 if scaling is None else scaling
         scores = (self.rotate("k", layer, q) @ keys.transpose(-1, -2)) * scale
-        key_pos = torch.arange(n0 + t)
-        query_pos = torch.arange(n0, n0 + t)
+        key_pos = torch.arange(n0 + t, device=self.device)
+        query_pos = torch.arange(n0, n0 + t, device=self.device)
         scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], -math.inf)
         out = torch.softmax(scores, dim=-1) @ values
         self._store(layer, chunks)

@@ -6,6 +6,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -30,7 +31,6 @@ LATER = {
     "eval": "quality of the packed cache against the baselines",
     "run": "generate text from an exported artifact",
     "bench": "benchmark the OSCAR attention kernels",
-    "parity": "compare codes, outputs and tokens across runtimes",
 }
 
 out = Console()
@@ -259,6 +259,39 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_parity(args: argparse.Namespace) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        # Without a GPU the Triton kernels run through the interpreter (set before triton loads).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from .models import load_model
+    from .parity import run_parity
+    from .report import read_tokens
+
+    model, tokenizer = load_model(args.model)
+    if torch.cuda.is_available():
+        model = model.cuda()
+    prompt = read_tokens(tokenizer, args.text, args.prompt_tokens).to(model.device)
+    report = run_parity(model, prompt, args.steps, config_from_args(args), rotations=args.rotations)
+    if args.json:
+        print(json.dumps({**report, "model": args.model}, indent=2))
+    else:
+        table = Table(title=f"Parity on {args.model}: {args.prompt_tokens}-token prompt, {args.steps} greedy steps, "
+                            f"rotations {args.rotations}")
+        for col in ("runtime", "how", "codes mismatch", "windows/scales/zeros", "attn max rel err",
+                    "attn mean rel err", "logits max rel err", "tokens", "verdict"):
+            table.add_column(col)
+        for name, r in report["runtimes"].items():
+            table.add_row(name, r["how"], f"{r['codes_mismatch_fraction']:.2e} ({r['codes_mismatched']})",
+                          "exact" if r["windows_scales_zeros_exact"] else "DIFFER",
+                          f"{r['max_rel_error']:.2e}", f"{r['mean_rel_error']:.2e}",
+                          f"{r['logits_max_rel_error']:.2e}", "match" if r["tokens_match"] else "DIFFER",
+                          "ok" if r["ok"] else "FAIL")
+        out.print(table)
+    return 0 if report["ok"] else 1
+
+
 def cmd_later(args: argparse.Namespace) -> int:
     print(f"oscar-export {args.command}: not available yet in this version ({LATER[args.command]})", file=sys.stderr)
     return 2
@@ -317,6 +350,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_cache_flags(p)
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("parity", help="compare codes, outputs and tokens across runtimes",
+                       description="Run the same prompt through every runtime available here and compare "
+                                   "codes, attention outputs, logits and greedy tokens with the reference. "
+                                   "Exit code 1 on any mismatch beyond the thresholds in docs/parity.md.")
+    p.add_argument("--model", default="bundled", help="'bundled' or a local HF checkpoint directory")
+    p.add_argument("--text", type=Path, help="UTF-8 text whose first tokens are the prompt (default: held-out text)")
+    p.add_argument("--prompt-tokens", type=_positive_int, default=400, help="prompt length (default %(default)s)")
+    p.add_argument("--steps", type=_positive_int, default=16, help="greedy steps (default %(default)s)")
+    p.add_argument("--rotations", default="hadamard",
+                   help="hadamard, online, none, or a rotation file (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_cache_flags(p)
+    p.set_defaults(func=cmd_parity)
 
     add_rotations_command(sub)
     for name, text in LATER.items():

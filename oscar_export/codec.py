@@ -63,9 +63,9 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [..., n] (n a multiple of 8) -> packed uint8 [..., n * bits // 8]."""
     *lead, n = codes.shape
     words = codes.to(torch.int64).reshape(*lead, n // CODES_PER_WORD, CODES_PER_WORD)
-    shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64) * bits
+    shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64, device=codes.device) * bits
     word = (words << shifts).sum(-1, keepdim=True)
-    byte_shifts = torch.arange(bits, dtype=torch.int64) * 8
+    byte_shifts = torch.arange(bits, dtype=torch.int64, device=codes.device) * 8
     return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(*lead, n * bits // 8)
 
 
@@ -73,8 +73,8 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of pack_codes: packed uint8 [..., m] -> uint8 codes [..., m * 8 // bits]."""
     *lead, m = packed.shape
     chunks = packed.to(torch.int64).reshape(*lead, m // bits, bits)
-    word = (chunks << (torch.arange(bits, dtype=torch.int64) * 8)).sum(-1, keepdim=True)
-    shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64) * bits
+    word = (chunks << (torch.arange(bits, dtype=torch.int64, device=packed.device) * 8)).sum(-1, keepdim=True)
+    shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64, device=packed.device) * bits
     return ((word >> shifts) & (2**bits - 1)).to(torch.uint8).reshape(*lead, m * 8 // bits)
 
 
@@ -110,7 +110,7 @@ def encode(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels
     """Code of each element: the number of thresholds that u = (x - zero) / scale exceeds."""
     s = scale.to(torch.float32).unsqueeze(-1)
     u = (groups - zero.to(torch.float32).unsqueeze(-1)) / s
-    codes = (u.unsqueeze(-1) > thresholds(levels)).sum(-1)
+    codes = (u.unsqueeze(-1) > thresholds(levels.to(u.device))).sum(-1)
     # A zero scale (constant group) has no defined u: its codes are 0 by definition.
     return torch.where(s == 0, torch.zeros_like(codes), codes).to(torch.uint8)
 
@@ -145,7 +145,7 @@ def dequantize(
     """Packed codes and per-group scale/zero -> fp32 [..., head_dim]: zero + scale * level[code]."""
     levels = uniform_levels(bits) if levels is None else check_levels(levels, bits)
     unpacked = unpack_codes(codes, bits).to(torch.int64)
-    values = _groups(levels[unpacked], cluster_dim)
+    values = _groups(levels.to(codes.device)[unpacked], cluster_dim)
     out = zero.to(torch.float32).unsqueeze(-1) + scale.to(torch.float32).unsqueeze(-1) * values
     return out.flatten(-2)
 

@@ -23,6 +23,7 @@ from .rotations import hadamard_rotations
 
 ATTENTION_IMPLEMENTATION = "oscar"
 ROTATION_MODES = ("online", "hadamard", "none")
+BACKENDS = ("reference", "triton")
 
 
 @dataclass
@@ -32,6 +33,7 @@ class OscarSettings:
     config: OscarConfig
     rotations: str | object  # a mode from ROTATION_MODES or a RotationSet
     max_context: int | None
+    backend: str = "reference"
 
 
 def _model_shape(model) -> tuple[int, int, int]:
@@ -82,18 +84,33 @@ class OscarCache(Cache):
     the model's attention layers, so one OscarCache is live per model at a time.
     """
 
-    def __init__(self, model, max_context: int | None = None, config: OscarConfig | None = None, rotations=None):
+    def __init__(
+        self,
+        model,
+        max_context: int | None = None,
+        config: OscarConfig | None = None,
+        rotations=None,
+        backend: str | None = None,
+    ):
         settings: OscarSettings | None = getattr(model, "oscar", None)
         if settings is None and config is None:
             raise OscarInputError("OscarCache: the model is not patched; call patch_model_for_kv_quant(model) first")
         config = config or settings.config
         rotations = rotations if rotations is not None else (settings.rotations if settings else "none")
         max_context = max_context or (settings.max_context if settings else None)
+        self.backend = backend or (settings.backend if settings else "reference")
+        if self.backend not in BACKENDS:
+            raise OscarInputError(f"backend={self.backend!r}: expected one of {BACKENDS}")
+        if self.backend == "triton":
+            from .kernels import triton_oscar  # fails early, with triton's own message, if triton is missing
+
+            self._triton = triton_oscar
         layers, kv_heads, head_dim = _model_shape(model)
         if not max_context:
             max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 4096
         k_rot = v_rot = k_levels = v_levels = None
         self.online = rotations == "online"
+        self.observer = None  # called as observer(layer, q, k, v, scaling, out) after every attention (parity)
         if rotations == "hadamard":
             k_rot = v_rot = hadamard_rotations(layers, head_dim)
         elif rotations not in ROTATION_MODES:
@@ -101,7 +118,9 @@ class OscarCache(Cache):
             k_levels, v_levels = rotations.k_levels, rotations.v_levels
             if config.codebook == "uniform":
                 k_levels = v_levels = None
-        self.kv = OscarKVCache(config, layers, kv_heads, head_dim, max_context, k_rot, v_rot, k_levels, v_levels)
+        self.kv = OscarKVCache(
+            config, layers, kv_heads, head_dim, max_context, k_rot, v_rot, k_levels, v_levels, device=model.device
+        )
         super().__init__(layers=[OscarCacheLayer(self, i) for i in range(layers)])
         _set_target(model, self)
 
@@ -118,7 +137,13 @@ class OscarCache(Cache):
             acc.add_values(k, v)
             rot = rotations_from([acc], per_head=False)
             self.kv.set_rotation(layer, rot["k"][0], rot["v"][0])
-        return self.kv.attend(layer, q, k, v, scaling)
+        if self.backend == "triton" and q.shape[1] == 1:
+            out = self._triton.triton_decode_attend(self.kv, layer, q, k, v, scaling, append="triton")
+        else:
+            out = self.kv.attend(layer, q, k, v, scaling)
+        if self.observer is not None:
+            self.observer(layer, q, k, v, scaling, out)
+        return out
 
 
 def _set_target(model, target) -> None:
@@ -191,10 +216,11 @@ def patch_model_for_kv_quant(
     rotations: "online" (estimated from each prompt, no calibration file), "hadamard"
     (data-free), "none", a rotation file path, or a RotationSet. Extra keyword arguments are
     OscarConfig fields (k_clip, v_clip, sink, recent, codebook, ...); a rotation file's clip
-    ratios and codebook apply unless given here.
+    ratios and codebook apply unless given here. backend="triton" decodes with the Triton
+    kernels (CUDA, or the interpreter with TRITON_INTERPRET=1).
     """
-    if backend != "reference":
-        raise OscarInputError(f"backend={backend!r}: expected 'reference' (the only backend in this version)")
+    if backend not in BACKENDS:
+        raise OscarInputError(f"backend={backend!r}: expected one of {BACKENDS}")
     resolved = _resolve_rotations(rotations, model)
     if resolved not in ROTATION_MODES:
         meta = resolved.metadata
@@ -205,7 +231,7 @@ def patch_model_for_kv_quant(
     cfg = OscarConfig(k_bits=config.pop("k_bits", bits), v_bits=config.pop("v_bits", bits),
                       cluster_dim=cluster_dim, **config)
     cfg.check_head_dim(_model_shape(model)[2])
-    model.oscar = OscarSettings(cfg, resolved, max_context)
+    model.oscar = OscarSettings(cfg, resolved, max_context, backend)
     model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
     if not hasattr(model, "_generate_without_oscar"):
         model._generate_without_oscar = model.generate

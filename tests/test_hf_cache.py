@@ -82,3 +82,14 @@ def test_bad_arguments():
     patch_model_for_kv_quant(model)
     with pytest.raises(OscarInputError, match="batch size 2"):
         model.generate(torch.randint(0, 120, (2, 10)), max_new_tokens=2, do_sample=False)
+
+
+def test_triton_backend_generates_the_same_tokens():
+    model = tiny_model("llama", seed=5)
+    ids = torch.randint(0, 120, (1, 30), generator=torch.Generator().manual_seed(1))
+    common = dict(bits=2, cluster_dim=32, rotations="hadamard", sink=4, recent=8)
+    patch_model_for_kv_quant(model, backend="reference", **common)
+    reference = model.generate(ids, max_new_tokens=6, do_sample=False)
+    patch_model_for_kv_quant(model, backend="triton", **common)
+    assert model.oscar.backend == "triton"
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), reference)
