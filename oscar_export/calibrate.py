@@ -118,7 +118,7 @@ def clip_errors(
 
 
 def _tokens_from_text(tokenizer, text: str, tokens: int, name: str) -> torch.Tensor:
-    ids = tokenizer(text)["input_ids"]
+    ids = tokenizer(text, verbose=False)["input_ids"]
     if len(ids) < tokens:
         raise OscarInputError(f"{name} has {len(ids)} tokens: expected at least {tokens} (--tokens plus held-out)")
     return torch.tensor(ids[:tokens])

@@ -90,7 +90,11 @@ def config_from_args(args: argparse.Namespace) -> OscarConfig:
 
 
 def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """Bytes in the largest binary unit that keeps the number >= 1."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
 
 
 def _print_plan(p: dict) -> None:
@@ -194,10 +198,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     table = Table(title=f"Codec on real K/V of {report['model']}: {report['tokens']} tokens, "
                         f"{report['layers']} layers, head_dim {report['head_dim']}, cluster_dim {config.cluster_dim}, "
                         f"sink {config.sink}, recent {config.recent}")
-    for col in ("bits", "rotation", "bits/elem", "K rel err", "V rel err", "decode attn rel err"):
+    for col in ("bits", "rotation", f"bits/elem at {report['tokens']}", "bits/elem at 128K", "K rel err",
+                "V rel err", "decode attn rel err"):
         table.add_column(col, justify="right")
     for r in report["rows"]:
-        table.add_row(str(r["bits"]), r["rotation"], f"{r['bits_per_element']:.3f}", f"{r['k_rel_error']:.4f}",
+        table.add_row(str(r["bits"]), r["rotation"], f"{r['bits_per_element']:.3f}",
+                      f"{r['bits_per_element_at_128k']:.3f}", f"{r['k_rel_error']:.4f}",
                       f"{r['v_rel_error']:.4f}", f"{r['decode_attn_rel_error']:.4f}")
     out.print(table)
     return 0

@@ -26,7 +26,7 @@ def read_tokens(tokenizer, text_path: Path | None, tokens: int) -> torch.Tensor:
     path = Path(text_path) if text_path else DEFAULT_TEXT
     if not path.is_file():
         raise OscarInputError(f"text file {str(path)!r} does not exist: expected a UTF-8 text file")
-    ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"))["input_ids"]
+    ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), verbose=False)["input_ids"]
     if len(ids) < tokens:
         raise OscarInputError(f"text file {str(path)!r} has {len(ids)} tokens: expected at least {tokens}")
     return torch.tensor([ids[:tokens]])
@@ -78,6 +78,7 @@ def codec_report(
                 "bits": bits,
                 "rotation": name,
                 "bits_per_element": bits_per_element(cfg, head_dim, tokens),
+                "bits_per_element_at_128k": bits_per_element(cfg, head_dim, 131072),
                 "k_rel_error": sum(errors["k"]) / layers,
                 "v_rel_error": sum(errors["v"]) / layers,
                 "decode_attn_rel_error": sum(errors["attn"]) / layers,

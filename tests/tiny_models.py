@@ -33,5 +33,5 @@ def tiny_model(family: str = "llama", seed: int = 0, layers: int = 2, head_dim: 
 class ByteTokenizer:
     """Enough of a tokenizer for calibration: one id per byte, folded into the tiny vocab."""
 
-    def __call__(self, text):
+    def __call__(self, text, **kwargs):
         return {"input_ids": [b % 120 for b in text.encode()]}
