@@ -6,6 +6,7 @@ import argparse
 import importlib.metadata
 import importlib.util
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -187,6 +188,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     from .report import codec_report
 
     config = config_from_args(args)
+    if args.text is not None and not args.text.is_file():
+        raise OscarInputError(f"text file {str(args.text)!r} does not exist: expected a UTF-8 text file")
     shape = model_shape(args.model)
     planned = plan(shape, config, parse_bytes(args.device_memory, "--device-memory"),
                    shape.max_position_embeddings or 4096)
@@ -378,7 +381,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_third_party_logs() -> None:
+    # torchao (loaded by transformers) logs about CUDA-only extensions and deprecated pytree
+    # registrations at import; none of it concerns this CLI's users.
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _quiet_third_party_logs()
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command in LATER:

@@ -9,7 +9,8 @@ from numpy_codec import quantize_vector, unpack_vector
 from oscar_export import OscarConfig, OscarKVCache
 from oscar_export.codec import dequantize, quantize, unpack_codes
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Derandomized: CI explores the same examples on every run, so a failure always reproduces.
+SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 bits_st = st.sampled_from([2, 3, 4])
 cluster_st = st.sampled_from([32, 64, 128])
@@ -57,7 +58,8 @@ def test_reconstruction_error_is_bounded(data, bits, clip):
     groups = x.reshape(x.shape[0], -1, cluster_dim)
     lo, hi = groups.amin(-1), groups.amax(-1)
     clipped_away = (1 - clip) / 2 * (hi - lo)
-    bound = q.scale.float() / 2 + clipped_away + 2**-11 * (lo.abs() + (hi - lo)) + 2**-24
+    # fp16 rounding of scale and zero: relative 2^-11, or absolute 2^-25 in the subnormal range.
+    bound = q.scale.float() / 2 + clipped_away + 2**-11 * (lo.abs() + (hi - lo)) + 2**bits * 2**-25
     assert torch.all(err <= bound.unsqueeze(-1) * (1 + 1e-5))
 
 
