@@ -1,0 +1,100 @@
+"""Build the native kernels in runtime_ops/ (C++ core, ONNX Runtime op library) with CMake.
+
+build_native() configures and builds into build/native[-asan|-aarch64] at the repository root;
+a second call with nothing changed only asks the build tool, which returns at once. The ONNX
+Runtime library needs the ORT C/C++ headers, which the pip wheel lacks:
+runtime_ops/onnxruntime/fetch_ort_headers.sh fetches them (or honours ORT_INCLUDE_DIR).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import shutil
+import subprocess
+from pathlib import Path
+
+from .config import OscarInputError
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = ROOT / "runtime_ops"
+TARGETS = (None, "aarch64")
+BUILD_JOBS = "2"  # the build shares small machines; more jobs buy little for five files
+ORT_LIBRARY = "liboscar_ort.so"
+CORE_LIBRARY = "liboscar_core_c.so"
+CORE_TEST = "oscar_core_test"
+
+
+def _run(cmd: list[str], what: str) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-30:]
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n" + "\n".join(tail))
+    return proc.stdout
+
+
+@functools.lru_cache(maxsize=None)
+def ort_include_dir() -> tuple[Path | None, str]:
+    """(ONNX Runtime include directory, "") or (None, why it is unavailable); asked once per process."""
+    script = SOURCES / "onnxruntime" / "fetch_ort_headers.sh"
+    try:
+        out = _run(["bash", str(script)], "fetching the ONNX Runtime headers")
+    except RuntimeError as exc:
+        return None, f"{exc}\nSet ORT_INCLUDE_DIR to a directory holding onnxruntime_c_api.h to skip the fetch."
+    return Path(out.strip().splitlines()[-1]), ""
+
+
+def build_native(build_dir: str | Path | None = None, sanitize: bool = False, target: str | None = None) -> Path:
+    """Configure and build runtime_ops/ and return the build directory.
+
+    sanitize: AddressSanitizer + UndefinedBehaviorSanitizer build (core, C API, test executable).
+    target: None for this machine (adds liboscar_ort.so when ORT headers are available), or
+    "aarch64" to cross-compile with aarch64-linux-gnu-g++ (run the test binary under qemu-aarch64).
+    """
+    if target not in TARGETS:
+        raise OscarInputError(f"target={target!r}: expected one of {TARGETS}")
+    if not (SOURCES / "CMakeLists.txt").is_file():
+        raise RuntimeError(f"native sources not found at {SOURCES}: build_native needs a source checkout "
+                           "of oscar-export")
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise RuntimeError("cmake not found on PATH: install cmake >= 3.16 and a C++17 compiler (Debian: cmake g++)")
+    suffix = ("-asan" if sanitize else "") + (f"-{target}" if target else "")
+    build_dir = Path(build_dir) if build_dir is not None else ROOT / "build" / f"native{suffix}"
+
+    args = [f"-DOSCAR_SANITIZE={'ON' if sanitize else 'OFF'}"]
+    if target == "aarch64":
+        if shutil.which("aarch64-linux-gnu-g++") is None:
+            raise RuntimeError("aarch64-linux-gnu-g++ not found: install the Debian package g++-aarch64-linux-gnu")
+        args.append(f"-DCMAKE_TOOLCHAIN_FILE={SOURCES / 'cmake' / 'aarch64-linux-gnu.cmake'}")
+    elif not sanitize:
+        include, _ = ort_include_dir()
+        args.append(f"-DORT_INCLUDE_DIR={include or ''}")
+    if shutil.which("ninja"):
+        args.append("-GNinja")
+
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / ".lock", "w") as lock:  # other test processes may build the same directory
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        stamp = build_dir / ".oscar-configure"
+        wanted = "\n".join(args)
+        if not (build_dir / "CMakeCache.txt").is_file() or not stamp.is_file() or stamp.read_text() != wanted:
+            _run([cmake, "-S", str(SOURCES), "-B", str(build_dir), *args], "cmake configure")
+            stamp.write_text(wanted)
+        _run([cmake, "--build", str(build_dir), "-j", BUILD_JOBS], "cmake build")
+    return build_dir
+
+
+def core_library_path(build_dir: str | Path | None = None) -> Path:
+    """liboscar_core_c.so (the C ABI of oscar_c_api.h), built if needed."""
+    return build_native(build_dir) / CORE_LIBRARY
+
+
+def ort_library_path(build_dir: str | Path | None = None) -> Path:
+    """liboscar_ort.so for SessionOptions.register_custom_ops_library, built if needed."""
+    path = build_native(build_dir) / ORT_LIBRARY
+    if not path.is_file():
+        _, why = ort_include_dir()
+        raise RuntimeError(f"{ORT_LIBRARY} was not built: the ONNX Runtime headers are unavailable.\n{why}")
+    return path
+

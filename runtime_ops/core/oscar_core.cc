@@ -1,0 +1,633 @@
+// The codec, the placement rule and the attention driver; scalar body kernels.
+// Built with -ffp-contract=off: the codec must round every fp32 step exactly as the
+// PyTorch reference does, so no multiply-add may be fused behind our back.
+#include "oscar_core.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <sstream>
+#include <system_error>
+#include <thread>
+#include <vector>
+
+#include "oscar_kernels.h"
+
+namespace oscar {
+namespace {
+
+constexpr int kBlock = 64;  // keys per online-softmax block: scores and fp32 rows stay in L1
+constexpr int64_t kMaxDim = int64_t(1) << 31;
+
+template <typename... Args>
+Status fail(const Args&... args) {
+  std::ostringstream s;
+  (s << ... << args);
+  return Status{s.str()};
+}
+
+bool f16_finite(uint16_t h) { return (h & 0x7c00u) != 0x7c00u; }
+
+// f16_to_f32 for hot loops: normal numbers inline (rebias the exponent), the rest out of line.
+inline float half_to_float(uint16_t h) {
+  const uint32_t e = h & 0x7c00u;
+  if (e == 0 || e == 0x7c00u) return f16_to_f32(h);
+  const uint32_t u = uint32_t(h & 0x8000u) << 16 | ((uint32_t(h & 0x7fffu) << 13) + 0x38000000u);
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+Status check_bits(const char* name, int bits) {
+  if (bits < 2 || bits > 4) return fail(name, "=", bits, ": expected 2, 3 or 4");
+  return {};
+}
+
+Status check_clip(const char* name, float clip) {
+  if (!(clip >= 0.5f && clip <= 1.0f)) return fail(name, "=", clip, ": expected 0.5 <= clip <= 1.0");
+  return {};
+}
+
+Status check_levels(const char* name, const float* levels, int bits) {
+  const int n = 1 << bits;
+  for (int i = 0; i < n; ++i) {
+    const float x = levels[i];
+    if (!std::isfinite(x) || x < 0.0f || x > float(n - 1) || (i > 0 && x <= levels[i - 1])) {
+      std::ostringstream s;
+      s << name << "=[";
+      for (int j = 0; j < n; ++j) s << (j ? ", " : "") << levels[j];
+      s << "]: expected " << n << " strictly ascending values in [0, " << n - 1 << "]";
+      return Status{s.str()};
+    }
+  }
+  return {};
+}
+
+// Decision thresholds: fp32 midpoints of consecutive levels (format.md section 3, step 4).
+void thresholds(const float* levels, int bits, float* thr) {
+  for (int j = 0; j + 1 < (1 << bits); ++j) thr[j] = (levels[j] + levels[j + 1]) * 0.5f;
+}
+
+// One vector -> packed codes, fp16 scale and zero per group (format.md sections 3-4).
+// Returns false when a scale or zero overflows fp16.
+bool quantize_vector(const float* x, int64_t head_dim, int bits, int cluster_dim, float clip, const float* thr,
+                     uint8_t* codes, uint16_t* scale, uint16_t* zero) {
+  const float half_clip = 0.5f * clip;  // "c = 0.5 * clip rounded once to fp32": exact for an fp32 clip
+  const int thresholds_count = (1 << bits) - 1;
+  for (int64_t g = 0; g < head_dim / cluster_dim; ++g) {
+    const float* xs = x + g * cluster_dim;
+    float lo = xs[0], hi = xs[0];
+    for (int i = 1; i < cluster_dim; ++i) {
+      lo = xs[i] < lo ? xs[i] : lo;
+      hi = xs[i] > hi ? xs[i] : hi;
+    }
+    if (clip < 1.0f) {
+      const float mid = (hi + lo) * 0.5f;
+      const float half = (hi - lo) * half_clip;
+      lo = mid - half;
+      hi = mid + half;
+    }
+    const uint16_t s16 = f32_to_f16((hi - lo) / float(thresholds_count));
+    const uint16_t z16 = f32_to_f16(lo);
+    if (!f16_finite(s16) || !f16_finite(z16)) return false;
+    scale[g] = s16;
+    zero[g] = z16;
+    const float s = f16_to_f32(s16), z = f16_to_f32(z16);
+    uint8_t* out = codes + g * cluster_dim * bits / 8;
+    for (int w = 0; w < cluster_dim / 8; ++w) {
+      uint32_t word = 0;  // 8 codes form one bits-byte little-endian word
+      for (int k = 0; k < 8 && s != 0.0f; ++k) {
+        const float u = (xs[w * 8 + k] - z) / s;
+        uint32_t code = 0;  // the number of thresholds u strictly exceeds
+        for (int t = 0; t < thresholds_count; ++t) code += u > thr[t];
+        word |= code << (bits * k);
+      }
+      for (int b = 0; b < bits; ++b) out[w * bits + b] = uint8_t(word >> (8 * b));
+    }
+  }
+  return true;
+}
+
+void uniform_levels(int bits, float* levels) {
+  for (int i = 0; i < (1 << bits); ++i) levels[i] = float(i);
+}
+
+bool simd_available() {
+#if defined(OSCAR_HAVE_AVX2)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#elif defined(__aarch64__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+const BodyKernels& simd_kernels() {
+#if defined(OSCAR_HAVE_AVX2)
+  return kAvx2Kernels;
+#elif defined(__aarch64__)
+  return kNeonKernels;
+#else
+  return kScalarKernels;
+#endif
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void axpy(float* acc, float w, const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * x[i];
+}
+
+// Online softmax over one block of raw dot products s[0..n): scales them, rescales the running
+// sum l and accumulator acc if the running max m grows, and leaves the weights exp(s - m) in s.
+void softmax_block(float scaling, float* s, int n, float& m, float& l, float* acc, int64_t head_dim) {
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < n; ++j) {
+    s[j] *= scaling;
+    block_max = std::max(block_max, s[j]);
+  }
+  if (block_max > m) {
+    const float r = std::exp(m - block_max);  // 0 on the first block (m = -inf)
+    l *= r;
+    for (int64_t i = 0; i < head_dim; ++i) acc[i] *= r;
+    m = block_max;
+  }
+  for (int j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    l += s[j];
+  }
+}
+
+// Levels of one group's codes, unpacked from its 8-code words.
+void group_levels(const BodyView& b, const uint8_t* codes, float* lv) {
+  const uint32_t mask = (1u << b.bits) - 1;
+  for (int w = 0; w < b.cluster_dim / 8; ++w) {
+    uint32_t word = 0;
+    for (int k = 0; k < b.bits; ++k) word |= uint32_t(codes[w * b.bits + k]) << (8 * k);
+    for (int k = 0; k < 8; ++k) lv[w * 8 + k] = b.levels[(word >> (b.bits * k)) & mask];
+  }
+}
+
+// One kind (K or V) of the layer, with everything derived from the validated arguments.
+struct Kind {
+  KindCache cache;
+  const uint16_t* chunk;  // [Hkv, T, D]
+  int bits;
+  float clip;
+  int64_t code_bytes;
+  float levels[16];
+  float thr[15];
+};
+
+struct Layer {
+  const AttentionArgs& a;
+  int64_t S, W, D, T, G, n0, sink_cap, recent_cap, body_cap, group;  // group: query heads per KV head
+  Kind kind[2];
+
+  explicit Layer(const AttentionArgs& args) : a(args) {
+    const AttentionDims& d = a.dims;
+    S = a.config.sink, W = a.config.recent, D = d.head_dim, T = d.tokens, n0 = a.length;
+    G = D / a.config.cluster_dim;
+    sink_cap = d.sink_cap, recent_cap = d.recent_cap, body_cap = d.body_cap, group = d.q_heads / d.kv_heads;
+    const int bits[2] = {a.config.k_bits, a.config.v_bits};
+    const float clips[2] = {a.config.k_clip, a.config.v_clip};
+    const KindCache* caches[2] = {&a.k, &a.v};
+    const uint16_t* chunks[2] = {a.k_new, a.v_new};
+    for (int i = 0; i < 2; ++i) {
+      Kind& k = kind[i];
+      k.cache = *caches[i], k.chunk = chunks[i], k.bits = bits[i], k.clip = clips[i];
+      k.code_bytes = D * k.bits / 8;
+      std::copy(k.cache.levels, k.cache.levels + (1 << k.bits), k.levels);
+      thresholds(k.levels, k.bits, k.thr);
+    }
+  }
+
+  BodyView body(const Kind& k, int64_t h) const {
+    return BodyView{k.cache.codes + h * body_cap * k.code_bytes,
+                    k.cache.scale + h * body_cap * G,
+                    k.cache.zero + h * body_cap * G,
+                    k.levels,
+                    k.bits,
+                    int(D),
+                    a.config.cluster_dim,
+                    int(G)};
+  }
+
+  // The fp32 value at position p of KV head h as this chunk's attention sees it: the cache
+  // before the chunk (sink, ring fp16; body dequantized) or the chunk's own fp16 row.
+  void load_row(const Kind& k, int64_t h, int64_t p, float* dst) const {
+    const uint16_t* src;
+    if (p >= n0) {
+      src = k.chunk + (h * T + p - n0) * D;
+    } else if (p < S) {
+      src = k.cache.sink + (h * sink_cap + p) * D;
+    } else if (p >= std::max(S, n0 - W)) {
+      src = k.cache.recent + (h * recent_cap + (p - S) % W) * D;
+    } else {
+      const BodyView b = body(k, h);
+      const int64_t row = p - S;
+      const int cd = b.cluster_dim;
+      for (int64_t g = 0; g < G; ++g) {
+        group_levels(b, b.codes + row * k.code_bytes + g * cd * k.bits / 8, dst + g * cd);
+        const float s = half_to_float(b.scale[row * G + g]), z = half_to_float(b.zero[row * G + g]);
+        for (int i = 0; i < cd; ++i) dst[g * cd + i] = z + s * dst[g * cd + i];
+      }
+      return;
+    }
+    for (int64_t i = 0; i < D; ++i) dst[i] = half_to_float(src[i]);
+  }
+
+  // Dense path for any T: fp32 blocks of K/V rows, causal mask. Queries go in tiles of kBlock
+  // tokens so the scratch stays small however long the prefill chunk is.
+  void attend_dense(int64_t h, float* scratch) const {
+    const int64_t states = kBlock * group;
+    float* m = scratch;
+    float* l = m + states;
+    float* acc = l + states;
+    float* kb = acc + states * D;
+    float* vb = kb + kBlock * D;
+    float* s = vb + kBlock * D;
+    for (int64_t t0 = 0; t0 < T; t0 += kBlock) {
+      const int64_t t1 = std::min(T, t0 + kBlock);
+      std::fill(m, m + states, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + states, 0.0f);
+      std::fill(acc, acc + states * D, 0.0f);
+      for (int64_t b0 = 0; b0 < n0 + t1; b0 += kBlock) {
+        const int n = int(std::min<int64_t>(kBlock, n0 + t1 - b0));
+        for (int j = 0; j < n; ++j) {
+          load_row(kind[0], h, b0 + j, kb + j * D);
+          load_row(kind[1], h, b0 + j, vb + j * D);
+        }
+        for (int64_t t = t0; t < t1; ++t) {
+          const int visible = int(std::min<int64_t>(n, n0 + t + 1 - b0));  // keys at positions <= n0 + t
+          for (int64_t hh = 0; hh < group && visible > 0; ++hh) {
+            const int64_t st = hh * kBlock + t - t0;
+            const float* q = a.q + ((h * group + hh) * T + t) * D;
+            for (int j = 0; j < visible; ++j) s[j] = dot(q, kb + j * D, D);
+            softmax_block(a.config.scaling, s, visible, m[st], l[st], acc + st * D, D);
+            for (int j = 0; j < visible; ++j) axpy(acc + st * D, s[j], vb + j * D, D);
+          }
+        }
+      }
+      for (int64_t hh = 0; hh < group; ++hh)
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t st = hh * kBlock + t - t0;
+          float* out = a.out + ((h * group + hh) * T + t) * D;
+          for (int64_t i = 0; i < D; ++i) out[i] = acc[st * D + i] / l[st];
+        }
+    }
+  }
+
+  // Decode (T == 1): fp32 rows for the windows and the new token, fused kernels for the body.
+  void attend_fused(int64_t h, const BodyKernels& kernels, float* scratch) const {
+    float* m = scratch;
+    float* l = m + group;
+    float* acc = l + group;
+    float* qsum = acc + group * D;
+    float* kb = qsum + group * G;
+    float* vb = kb + kBlock * D;
+    float* s = vb + kBlock * D;  // group * kBlock
+    float* weights = s + group * kBlock;  // group * (kBlock + 1) * G
+    const float* q = a.q + h * group * D;  // the group's query heads are contiguous when T == 1
+    std::fill(m, m + group, -std::numeric_limits<float>::infinity());
+    std::fill(l, l + group, 0.0f);
+    std::fill(acc, acc + group * D, 0.0f);
+    const int cd = a.config.cluster_dim;
+    for (int64_t hh = 0; hh < group; ++hh)
+      for (int64_t g = 0; g < G; ++g) {
+        float sum = 0.0f;
+        for (int i = 0; i < cd; ++i) sum += q[hh * D + g * cd + i];
+        qsum[hh * G + g] = sum;
+      }
+
+    auto dense = [&](int64_t from, int64_t to) {
+      for (int64_t b0 = from; b0 < to; b0 += kBlock) {
+        const int n = int(std::min<int64_t>(kBlock, to - b0));
+        for (int j = 0; j < n; ++j) {
+          load_row(kind[0], h, b0 + j, kb + j * D);
+          load_row(kind[1], h, b0 + j, vb + j * D);
+        }
+        for (int64_t hh = 0; hh < group; ++hh) {
+          for (int j = 0; j < n; ++j) s[j] = dot(q + hh * D, kb + j * D, D);
+          softmax_block(a.config.scaling, s, n, m[hh], l[hh], acc + hh * D, D);
+          for (int j = 0; j < n; ++j) axpy(acc + hh * D, s[j], vb + j * D, D);
+        }
+      }
+    };
+    const int64_t sink_end = std::min(S, n0);
+    const int64_t tail_from = std::max(sink_end, n0 - W);  // first ring position (or the new token)
+    dense(0, sink_end);
+    const BodyView kbody = body(kind[0], h), vbody = body(kind[1], h);
+    for (int64_t r0 = 0; r0 < tail_from - sink_end; r0 += kBlock) {
+      const int n = int(std::min<int64_t>(kBlock, tail_from - sink_end - r0));
+      kernels.scores(kbody, r0, n, q, qsum, int(group), s);
+      for (int64_t hh = 0; hh < group; ++hh)
+        softmax_block(a.config.scaling, s + hh * n, n, m[hh], l[hh], acc + hh * D, D);
+      kernels.values(vbody, r0, n, s, int(group), acc, weights);
+    }
+    dense(tail_from, n0 + 1);
+    for (int64_t hh = 0; hh < group; ++hh)
+      for (int64_t i = 0; i < D; ++i) a.out[(h * group + hh) * D + i] = acc[hh * D + i] / l[hh];
+  }
+
+  // The placement rule (format.md section 5) for KV head h; row is D floats of scratch.
+  void append(int64_t h, float* row) const {
+    const int64_t n1 = n0 + T;
+    for (const Kind& k : kind) {
+      const uint16_t* chunk = k.chunk + h * T * D;
+      for (int64_t p = n0; p < std::min(S, n1); ++p)
+        std::memcpy(k.cache.sink + (h * sink_cap + p) * D, chunk + (p - n0) * D, D * sizeof(uint16_t));
+      // Leaving (or skipping) the ring: quantize the fp16 value, reading the ring before it is overwritten.
+      for (int64_t p = std::max(S, n0 - W); p < std::max(S, n1 - W); ++p) {
+        const uint16_t* src = p < n0 ? k.cache.recent + (h * recent_cap + (p - S) % W) * D : chunk + (p - n0) * D;
+        for (int64_t i = 0; i < D; ++i) row[i] = half_to_float(src[i]);
+        const int64_t r = h * body_cap + p - S;
+        // Cannot fail: a finite fp16 group has range <= 131008, so scale <= 43670 < 65504.
+        quantize_vector(row, D, k.bits, a.config.cluster_dim, k.clip, k.thr, k.cache.codes + r * k.code_bytes,
+                        k.cache.scale + r * G, k.cache.zero + r * G);
+      }
+      for (int64_t p = std::max({S, n1 - W, n0}); p < n1; ++p)
+        std::memcpy(k.cache.recent + (h * recent_cap + (p - S) % W) * D, chunk + (p - n0) * D, D * sizeof(uint16_t));
+    }
+  }
+
+  bool fused() const {
+    return T == 1 && a.config.kernel != Kernel::kDense;
+  }
+
+  int64_t scratch_floats() const {
+    const int64_t rows = 2 * kBlock * D;
+    if (fused()) return group * (2 + D + 2 * G + kBlock + kBlock * G) + rows;
+    return kBlock * group * (2 + D) + rows + kBlock;
+  }
+};
+
+Status check_finite_f16(const char* name, const uint16_t* x, int64_t count) {
+  for (int64_t i = 0; i < count; ++i)
+    if (!f16_finite(x[i])) return fail(name, " contains ", (x[i] & 0x3ff) ? "NaN" : "inf", ": expected finite values");
+  return {};
+}
+
+}  // namespace
+
+uint16_t f32_to_f16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7fffffffu;
+  if (a >= 0x7f800000u) return uint16_t(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));  // NaN, inf
+  if (a >= 0x47800000u) return uint16_t(sign | 0x7c00u);  // >= 65536: overflow
+  uint32_t half, rem, mid;
+  if (a >= 0x38800000u) {  // normal fp16: rebias the exponent, drop 13 mantissa bits
+    const uint32_t r = a - 0x38000000u;
+    half = r >> 13, rem = r & 0x1fffu, mid = 0x1000u;
+  } else {
+    if (a < 0x33000000u) return uint16_t(sign);  // below 2^-25: rounds to zero
+    const uint32_t e = a >> 23, mant = (a & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // subnormal fp16 counts units of 2^-24
+    half = mant >> shift, rem = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
+  }
+  if (rem > mid || (rem == mid && (half & 1u))) ++half;  // a carry into the exponent is correct
+  return uint16_t(sign | half);
+}
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  int32_t e = (h >> 10) & 0x1f;
+  uint32_t m = h & 0x3ffu, u;
+  if (e == 0x1f) {
+    u = sign | 0x7f800000u | (m << 13);
+  } else if (e == 0) {
+    if (m == 0) {
+      u = sign;
+    } else {  // subnormal: normalize
+      e = 1;
+      while (!(m & 0x400u)) m <<= 1, --e;
+      u = sign | uint32_t(e + 112) << 23 | (m & 0x3ffu) << 13;
+    }
+  } else {
+    u = sign | uint32_t(e + 112) << 23 | m << 13;
+  }
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+Status quantize_pack(const float* x, int64_t rows, int64_t head_dim, int bits, int cluster_dim, float clip,
+                     const float* levels, uint8_t* codes, uint16_t* scale, uint16_t* zero) {
+  if (Status st = check_bits("bits", bits); !st.ok()) return st;
+  if (cluster_dim != 32 && cluster_dim != 64 && cluster_dim != 128)
+    return fail("cluster_dim=", cluster_dim, ": expected 32, 64 or 128");
+  if (head_dim <= 0 || head_dim >= kMaxDim || head_dim % cluster_dim)
+    return fail("head_dim=", head_dim, ": expected a positive multiple of cluster_dim=", cluster_dim);
+  if (rows < 0 || rows >= kMaxDim) return fail("rows=", rows, ": expected 0 <= rows < 2^31");
+  if (rows * head_dim >= (int64_t(1) << 48)) return fail("rows x head_dim = ", rows * head_dim, ": too many elements");
+  if (Status st = check_clip("clip", clip); !st.ok()) return st;
+  if (rows > 0 && (!x || !codes || !scale || !zero)) return fail("quantize_pack: null buffer");
+  float lv[16], thr[15];
+  if (levels) {
+    if (Status st = check_levels("levels", levels, bits); !st.ok()) return st;
+    std::copy(levels, levels + (1 << bits), lv);
+  } else {
+    uniform_levels(bits, lv);
+  }
+  thresholds(lv, bits, thr);
+  for (int64_t i = 0; i < rows * head_dim; ++i)
+    if (!std::isfinite(x[i]))
+      return fail("input row ", i / head_dim, " contains ", std::isnan(x[i]) ? "NaN" : "inf", ": expected finite values");
+  const int64_t groups = head_dim / cluster_dim;
+  for (int64_t r = 0; r < rows; ++r)
+    if (!quantize_vector(x + r * head_dim, head_dim, bits, cluster_dim, clip, thr, codes + r * head_dim * bits / 8,
+                         scale + r * groups, zero + r * groups))
+      return fail("input row ", r, " exceeds the range of scale_dtype=float16 (max 65504): expected smaller magnitudes");
+  return {};
+}
+
+const char* const kBufferNames[kNumBuffers] = {"q",       "k_new",   "v_new",   "k_sink",   "v_sink",   "k_recent",
+                                               "v_recent", "k_codes", "k_scale", "k_zero",   "v_codes",  "v_scale",
+                                               "v_zero",   "k_levels", "v_levels", "out"};
+
+int64_t BufferShape::count() const {
+  int64_t n = 1;
+  for (int i = 0; i < rank; ++i) n *= dim[i];
+  return n;
+}
+
+Status buffer_shapes(const AttentionConfig& c, const AttentionDims& d, BufferShape shapes[kNumBuffers]) {
+  if (Status st = check_bits("k_bits", c.k_bits); !st.ok()) return st;
+  if (Status st = check_bits("v_bits", c.v_bits); !st.ok()) return st;
+  if (c.cluster_dim != 32 && c.cluster_dim != 64 && c.cluster_dim != 128)
+    return fail("cluster_dim=", c.cluster_dim, ": expected 32, 64 or 128");
+  if (c.sink < 0 || c.recent < 0 || c.sink >= kMaxDim || c.recent >= kMaxDim)
+    return fail("sink=", c.sink, ", recent=", c.recent, ": expected token counts >= 0");
+  if (Status st = check_clip("k_clip", c.k_clip); !st.ok()) return st;
+  if (Status st = check_clip("v_clip", c.v_clip); !st.ok()) return st;
+  if (!std::isfinite(c.scaling)) return fail("scaling=", c.scaling, ": expected a finite number");
+  if (c.threads < 0) return fail("threads=", c.threads, ": expected >= 0 (0 = one per core)");
+  if (c.kernel < Kernel::kAuto || c.kernel > Kernel::kSimd)
+    return fail("kernel=", int(c.kernel), ": expected 0 (auto), 1 (dense), 2 (scalar) or 3 (simd)");
+  if (c.kernel == Kernel::kSimd && !simd_available())
+    return fail("kernel=simd: this CPU has neither AVX2+FMA+F16C nor NEON");
+
+  const struct { const char* name; int64_t value, min; } dims[] = {
+      {"q_heads", d.q_heads, 1},     {"kv_heads", d.kv_heads, 1}, {"tokens", d.tokens, 1},
+      {"head_dim", d.head_dim, 1},   {"sink capacity", d.sink_cap, 0}, {"recent capacity", d.recent_cap, 0},
+      {"body capacity", d.body_cap, 0}};
+  for (const auto& x : dims)
+    if (x.value < x.min || x.value >= kMaxDim) return fail(x.name, "=", x.value, ": expected ", x.min, " <= value < 2^31");
+  if (d.q_heads % d.kv_heads)
+    return fail("q_heads=", d.q_heads, " is not a multiple of kv_heads=", d.kv_heads, ": expected grouped-query heads");
+  if (d.head_dim % c.cluster_dim)
+    return fail("head_dim=", d.head_dim, " is not a multiple of cluster_dim=", c.cluster_dim);
+  // The capacities must be those of some max_context C (format.md section 5).
+  const int64_t C = d.sink_cap + d.recent_cap + d.body_cap;
+  const int64_t want_sink = std::min(c.sink, C), want_recent = std::min(c.recent, std::max<int64_t>(C - c.sink, 0)),
+                want_body = std::max<int64_t>(C - c.sink - c.recent, 0);
+  if (d.sink_cap != want_sink || d.recent_cap != want_recent || d.body_cap != want_body)
+    return fail("cache capacities sink=", d.sink_cap, ", recent=", d.recent_cap, ", body=", d.body_cap,
+                " do not match sink=", c.sink, ", recent=", c.recent, ": a cache of ", C, " tokens has sink=", want_sink,
+                ", recent=", want_recent, ", body=", want_body);
+
+  const int64_t H = d.kv_heads, D = d.head_dim, G = D / c.cluster_dim;
+  const BufferShape all[kNumBuffers] = {
+      {3, {d.q_heads, d.tokens, D}},      {3, {H, d.tokens, D}},          {3, {H, d.tokens, D}},
+      {3, {H, d.sink_cap, D}},            {3, {H, d.sink_cap, D}},        {3, {H, d.recent_cap, D}},
+      {3, {H, d.recent_cap, D}},          {3, {H, d.body_cap, D * c.k_bits / 8}}, {3, {H, d.body_cap, G}},
+      {3, {H, d.body_cap, G}},            {3, {H, d.body_cap, D * c.v_bits / 8}}, {3, {H, d.body_cap, G}},
+      {3, {H, d.body_cap, G}},            {1, {int64_t(1) << c.k_bits}},  {1, {int64_t(1) << c.v_bits}},
+      {3, {d.q_heads, d.tokens, D}}};
+  for (int i = 0; i < kNumBuffers; ++i) {
+    int64_t n = 1;
+    for (int j = 0; j < all[i].rank; ++j)
+      if (__builtin_mul_overflow(n, all[i].dim[j], &n) || n >= (int64_t(1) << 48))
+        return fail(kBufferNames[i], " would hold too many elements: expected smaller dims");
+    shapes[i] = all[i];
+  }
+  return {};
+}
+
+Status oscar_attention(const AttentionArgs& a) {
+  BufferShape shapes[kNumBuffers];
+  if (Status st = buffer_shapes(a.config, a.dims, shapes); !st.ok()) return st;
+  const AttentionDims& d = a.dims;
+  const int64_t C = d.sink_cap + d.recent_cap + d.body_cap;
+  if (a.length < 0) return fail("length=", a.length, ": expected >= 0");
+  if (a.length + d.tokens > C)
+    return fail("cache capacity exceeded: length ", a.length, " + ", d.tokens, " tokens > max_context ", C);
+  const void* ptrs[kNumBuffers] = {a.q,       a.k_new,    a.v_new,    a.k.sink,  a.v.sink,  a.k.recent,
+                                   a.v.recent, a.k.codes,  a.k.scale,  a.k.zero,  a.v.codes, a.v.scale,
+                                   a.v.zero,   a.k.levels, a.v.levels, a.out};
+  for (int i = 0; i < kNumBuffers; ++i)
+    if (!ptrs[i] && shapes[i].count() > 0) return fail(kBufferNames[i], " is null: expected ", shapes[i].count(), " elements");
+  if (Status st = check_levels("k_levels", a.k.levels, a.config.k_bits); !st.ok()) return st;
+  if (Status st = check_levels("v_levels", a.v.levels, a.config.v_bits); !st.ok()) return st;
+  for (int64_t i = 0; i < shapes[0].count(); ++i)
+    if (!std::isfinite(a.q[i])) return fail("q contains ", std::isnan(a.q[i]) ? "NaN" : "inf", ": expected finite values");
+  if (Status st = check_finite_f16("k_new", a.k_new, shapes[1].count()); !st.ok()) return st;
+  if (Status st = check_finite_f16("v_new", a.v_new, shapes[2].count()); !st.ok()) return st;
+
+  const Layer layer(a);
+  const BodyKernels* kernels = nullptr;
+  if (layer.fused())
+    kernels = a.config.kernel == Kernel::kScalar || !simd_available() ? &kScalarKernels : &simd_kernels();
+  int64_t threads = a.config.threads;
+  if (threads == 0) {  // one per core, but a thread start (tens of microseconds) must pay for itself
+    const int64_t work = d.kv_heads * (a.length + d.tokens) * d.tokens;  // key rows x queries
+    threads = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()), 1 + work / 8192);
+  }
+  threads = std::min(threads, d.kv_heads);
+  std::vector<std::vector<float>> scratch;
+  try {
+    scratch.assign(threads, std::vector<float>(layer.scratch_floats() + d.head_dim));
+  } catch (const std::bad_alloc&) {
+    return fail("out of memory for ", threads, " x ", layer.scratch_floats(), " floats of attention scratch");
+  }
+  // Heads are independent: each thread attends over its KV heads, then appends to them.
+  auto work = [&](int64_t t) {
+    float* mem = scratch[t].data();
+    for (int64_t h = t; h < d.kv_heads; h += threads) {
+      if (kernels) {
+        layer.attend_fused(h, *kernels, mem);
+      } else {
+        layer.attend_dense(h, mem);
+      }
+      layer.append(h, mem + layer.scratch_floats());
+    }
+  };
+  std::vector<std::thread> pool;
+  int64_t started = 1;
+  for (; started < threads; ++started) {
+    try {
+      pool.emplace_back(work, started);
+    } catch (const std::system_error&) {
+      break;  // no more threads: this one does the rest
+    }
+  }
+  for (int64_t t = started; t < threads; ++t) work(t);
+  work(0);
+  for (std::thread& th : pool) th.join();
+  return {};
+}
+
+// ---- scalar body kernels ---------------------------------------------------------------
+
+void body_value_weights(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc,
+                        float* scratch) {
+  float* zsum = scratch + int64_t(n) * heads * b.groups;  // [heads, groups]: sum_j p * zero
+  std::fill(zsum, zsum + heads * b.groups, 0.0f);
+  for (int j = 0; j < n; ++j) {
+    const int64_t row = row0 + j;
+    for (int g = 0; g < b.groups; ++g) {
+      const float s = half_to_float(b.scale[row * b.groups + g]), z = half_to_float(b.zero[row * b.groups + g]);
+      for (int h = 0; h < heads; ++h) {
+        scratch[(j * heads + h) * b.groups + g] = p[h * n + j] * s;
+        zsum[h * b.groups + g] += p[h * n + j] * z;
+      }
+    }
+  }
+  for (int h = 0; h < heads; ++h)
+    for (int g = 0; g < b.groups; ++g)
+      for (int i = 0; i < b.cluster_dim; ++i) acc[h * b.head_dim + g * b.cluster_dim + i] += zsum[h * b.groups + g];
+}
+
+namespace {
+
+void scalar_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads,
+                   float* scores) {
+  const int64_t code_bytes = b.head_dim * b.bits / 8;
+  float lv[128];
+  for (int j = 0; j < n; ++j) {
+    const int64_t row = row0 + j;
+    for (int h = 0; h < heads; ++h) scores[h * n + j] = 0.0f;
+    for (int g = 0; g < b.groups; ++g) {
+      group_levels(b, b.codes + row * code_bytes + g * b.cluster_dim * b.bits / 8, lv);
+      const float s = half_to_float(b.scale[row * b.groups + g]), z = half_to_float(b.zero[row * b.groups + g]);
+      for (int h = 0; h < heads; ++h)
+        scores[h * n + j] += s * dot(q + h * b.head_dim + g * b.cluster_dim, lv, b.cluster_dim) + z * qsum[h * b.groups + g];
+    }
+  }
+}
+
+void scalar_values(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch) {
+  body_value_weights(b, row0, n, p, heads, acc, scratch);
+  const int64_t code_bytes = b.head_dim * b.bits / 8;
+  float lv[128];
+  for (int j = 0; j < n; ++j)
+    for (int g = 0; g < b.groups; ++g) {
+      group_levels(b, b.codes + (row0 + j) * code_bytes + g * b.cluster_dim * b.bits / 8, lv);
+      for (int h = 0; h < heads; ++h)
+        axpy(acc + h * b.head_dim + g * b.cluster_dim, scratch[(j * heads + h) * b.groups + g], lv, b.cluster_dim);
+    }
+}
+
+}  // namespace
+
+const BodyKernels kScalarKernels = {scalar_scores, scalar_values};
+
+}  // namespace oscar

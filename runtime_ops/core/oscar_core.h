@@ -1,0 +1,92 @@
+// OSCAR-KV native core: the codec and the per-layer attention op on raw buffers,
+// shared by the ONNX Runtime and ExecuTorch adapters. docs/format.md is normative;
+// oscar_export/cache.py (OscarKVCache.attend) is the reference this code reproduces.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace oscar {
+
+// Empty message = success. Every entry point validates before it touches a buffer.
+struct Status {
+  std::string error;
+  bool ok() const { return error.empty(); }
+};
+
+// IEEE binary16 <-> binary32, round to nearest even; integer-only so the host's FP
+// environment (flush-to-zero, rounding mode) cannot change a stored bit.
+uint16_t f32_to_f16(float x);
+float f16_to_f32(uint16_t h);
+
+// Quantizes `rows` fp32 vectors of head_dim values (docs/format.md sections 3-4, fp16
+// scale_dtype): codes [rows, head_dim*bits/8], scale and zero [rows, head_dim/cluster_dim]
+// as fp16 bits. levels: 2^bits ascending code-unit levels, or nullptr for uniform.
+Status quantize_pack(const float* x, int64_t rows, int64_t head_dim, int bits, int cluster_dim, float clip,
+                     const float* levels, uint8_t* codes, uint16_t* scale, uint16_t* zero);
+
+// Which decode (T == 1) path runs. Prefill chunks (T > 1) always take the dense path.
+enum class Kernel : int32_t {
+  kAuto = 0,    // the fastest fused kernel this CPU has
+  kDense = 1,   // dequantize rows into fp32 blocks: the simple path, used as the in-tree reference
+  kScalar = 2,  // fused, portable C++
+  kSimd = 3,    // fused AVX2+FMA+F16C (x86-64) or NEON (aarch64); an error where neither exists
+};
+
+struct AttentionConfig {
+  int32_t k_bits = 2, v_bits = 2, cluster_dim = 64;
+  int64_t sink = 64, recent = 256;  // S and W of the format
+  float k_clip = 1.0f, v_clip = 1.0f;
+  float scaling = 0.0f;  // score multiplier, usually head_dim^-0.5
+  int32_t threads = 1;   // split over KV heads; 0 = one per core (fewer for small calls)
+  Kernel kernel = Kernel::kAuto;
+};
+
+// Tensor sizes of one layer's op call. Capacities are those of a cache of
+// max_context = sink_cap + recent_cap + body_cap tokens (format.md section 5).
+struct AttentionDims {
+  int64_t q_heads = 0, kv_heads = 0, tokens = 0, head_dim = 0;
+  int64_t sink_cap = 0, recent_cap = 0, body_cap = 0;
+};
+
+// One kind's (K or V) cache of one layer, C-contiguous, fp16 stored as uint16 bits:
+// sink [Hkv, sink_cap, D], recent [Hkv, recent_cap, D], codes [Hkv, body_cap, D*bits/8],
+// scale and zero [Hkv, body_cap, D/cluster_dim], levels [2^bits] fp32.
+struct KindCache {
+  uint16_t* sink = nullptr;
+  uint16_t* recent = nullptr;
+  uint8_t* codes = nullptr;
+  uint16_t* scale = nullptr;
+  uint16_t* zero = nullptr;
+  const float* levels = nullptr;
+};
+
+struct AttentionArgs {
+  AttentionConfig config;
+  AttentionDims dims;
+  const float* q = nullptr;         // [Hq, T, D], already rotated
+  const uint16_t* k_new = nullptr;  // [Hkv, T, D] fp16, rotated
+  const uint16_t* v_new = nullptr;
+  KindCache k, v;
+  int64_t length = 0;  // tokens cached before this chunk
+  float* out = nullptr;  // [Hq, T, D] fp32, rotated (V) space
+};
+
+// Element counts of the op's buffers, in the ONNX op's input order, then `out`.
+// Adapters compare what they were given against these before calling oscar_attention.
+constexpr int kNumBuffers = 16;
+extern const char* const kBufferNames[kNumBuffers];  // "q", "k_new", ..., "v_levels", "out"
+struct BufferShape {
+  int rank;
+  int64_t dim[3];
+  int64_t count() const;
+};
+// Fails (naming the field) when the config or the dims are invalid.
+Status buffer_shapes(const AttentionConfig& config, const AttentionDims& dims, BufferShape shapes[kNumBuffers]);
+
+// Reference attention of a chunk at positions length .. length+T-1 over the cache before it
+// plus the chunk itself (causal, grouped-query), then appends the chunk in place by the
+// placement rule. Validates config, dims, length, levels and input values first.
+Status oscar_attention(const AttentionArgs& args);
+
+}  // namespace oscar

@@ -1,0 +1,87 @@
+// Internal: the fused decode kernels over the packed body, one set per instruction set.
+// They read codes on the fly and never expand the body into a float buffer:
+//   q . (zero + scale * level[c]) = scale * sum_i q_i level[c_i] + zero * sum_i q_i
+// and, on the value side, sum_t p_t (zero_t + scale_t level[c]) = sum_t p_t zero_t
+// + sum_t (p_t scale_t) level[c]. Callers pass validated, in-bounds views.
+#pragma once
+
+#include <cstdint>
+
+namespace oscar {
+
+// One 8-code word of a packed vector: BITS bytes, little-endian (format.md section 4).
+template <int BITS>
+inline uint32_t load_word(const uint8_t* p) {
+  uint32_t w = uint32_t(p[0]) | uint32_t(p[1]) << 8;
+  if constexpr (BITS > 2) w |= uint32_t(p[2]) << 16;
+  if constexpr (BITS > 3) w |= uint32_t(p[3]) << 24;
+  return w;
+}
+
+struct BodyView {
+  const uint8_t* codes;   // [rows, head_dim*bits/8] of one KV head
+  const uint16_t* scale;  // [rows, groups] fp16
+  const uint16_t* zero;
+  const float* levels;    // [2^bits]
+  int bits, head_dim, cluster_dim, groups;
+};
+
+struct BodyKernels {
+  // scores[h*n + j] = q_h . dequant(row0 + j) for heads h < heads; q [heads, head_dim],
+  // qsum [heads, groups] = sum of q_h over each group.
+  void (*scores)(const BodyView& body, int64_t row0, int n, const float* q, const float* qsum, int heads,
+                 float* scores);
+  // acc[h*head_dim + i] += sum_j p[h*n + j] * dequant(row0 + j)[i]; scratch holds (n+1)*heads*groups floats.
+  void (*values)(const BodyView& body, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch);
+};
+
+extern const BodyKernels kScalarKernels;
+#if defined(OSCAR_HAVE_AVX2)
+extern const BodyKernels kAvx2Kernels;  // oscar_avx2.cc, built with -mavx2 -mfma -mf16c
+#endif
+#if defined(__aarch64__)
+extern const BodyKernels kNeonKernels;  // oscar_neon.cc
+#endif
+
+// Value side, shared by every kernel set: scratch[(j*heads + h)*groups + g] = p[h*n + j] * scale
+// of (row0 + j, g); the zero terms sum_j p * zero (one per head and group) are added to acc.
+void body_value_weights(const BodyView& body, int64_t row0, int n, const float* p, int heads, float* acc,
+                        float* scratch);
+
+// A SIMD kernel set is a class template Impl<BITS, NH> with static scores() and values() for NH
+// (1..4) query heads at a time, so each unpacked word feeds NH register accumulators. These
+// instantiate it for bits 2..4 and walk the heads in chunks of 4. Impl must have internal
+// linkage (an anonymous namespace): its code is compiled with that file's ISA flags.
+template <template <int, int> class Impl, int BITS, typename F>
+void with_heads(int nh, F&& f) {
+  switch (nh) {
+    case 1: f(Impl<BITS, 1>{}); break;
+    case 2: f(Impl<BITS, 2>{}); break;
+    case 3: f(Impl<BITS, 3>{}); break;
+    default: f(Impl<BITS, 4>{}); break;
+  }
+}
+
+template <template <int, int> class Impl, typename F>
+void with_impl(int bits, int nh, F&& f) {
+  switch (bits) {
+    case 2: with_heads<Impl, 2>(nh, f); break;
+    case 3: with_heads<Impl, 3>(nh, f); break;
+    default: with_heads<Impl, 4>(nh, f); break;
+  }
+}
+
+template <template <int, int> class Impl>
+void fused_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads, float* scores) {
+  for (int h0 = 0; h0 < heads; h0 += 4)
+    with_impl<Impl>(b.bits, heads - h0, [&](auto impl) { impl.scores(b, row0, n, q, qsum, h0, scores); });
+}
+
+template <template <int, int> class Impl>
+void fused_values(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch) {
+  body_value_weights(b, row0, n, p, heads, acc, scratch);
+  for (int h0 = 0; h0 < heads; h0 += 4)
+    with_impl<Impl>(b.bits, heads - h0, [&](auto impl) { impl.values(b, row0, n, heads, h0, acc, scratch); });
+}
+
+}  // namespace oscar

@@ -1,0 +1,370 @@
+// Tests of the native core that need no Python: built with sanitizers and cross-built for
+// aarch64 (run under qemu-aarch64) by tests/test_native_core.py.
+//
+//   oscar_core_test [--random N] [CASE_DIR ...]
+//
+// Always: fp16 conversion, the packing examples of docs/format.md, bad input (an error and no
+// write), and N (default 200) random decode states where every fused kernel must match the
+// dense path within 1e-4 relative. Each CASE_DIR is a golden case exported by the Python test
+// (case.txt + raw little-endian .bin files): codec bit-exact, then the prefill and decode
+// replay with every kernel, outputs within 1e-3 of the reference, final cache bit-exact.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "oscar_core.h"
+
+using namespace oscar;
+
+namespace {
+
+int failures = 0;
+
+#define EXPECT(cond, ...)                                         \
+  do {                                                            \
+    if (!(cond)) {                                                \
+      ++failures;                                                 \
+      std::fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);   \
+      std::fprintf(stderr, __VA_ARGS__);                          \
+      std::fprintf(stderr, "\n");                                 \
+    }                                                             \
+  } while (0)
+
+const Kernel kKernels[] = {Kernel::kDense, Kernel::kScalar, Kernel::kSimd};
+const char* kKernelNames[] = {"auto", "dense", "scalar", "simd"};
+
+bool simd_runs() {  // kSimd is an error on a CPU without AVX2/NEON
+  AttentionConfig c;
+  c.kernel = Kernel::kSimd;
+  AttentionDims d{1, 1, 1, 64, 0, 0, 0};
+  BufferShape s[kNumBuffers];
+  return buffer_shapes(c, d, s).ok();
+}
+
+double rel_err(const std::vector<float>& got, const std::vector<float>& want) {
+  double err = 0, ref = 1e-30;
+  for (size_t i = 0; i < want.size(); ++i) {  // plain comparisons: aarch64 gcc 12 -O3 crashes vectorizing fmax
+    const double d = std::fabs(double(got[i]) - want[i]), w = std::fabs(double(want[i]));
+    if (d > err) err = d;
+    if (w > ref) ref = w;
+  }
+  return err / ref;
+}
+
+// One layer's cache buffers for a config and capacity, plus the call that uses them.
+struct Cache {
+  AttentionConfig cfg;
+  AttentionDims dims;
+  std::vector<uint16_t> sink[2], recent[2], scale[2], zero[2];
+  std::vector<uint8_t> codes[2];
+  std::vector<float> levels[2];
+
+  Cache(const AttentionConfig& c, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t max_context,
+        const std::vector<float>& k_levels, const std::vector<float>& v_levels)
+      : cfg(c) {
+    const int64_t S = std::min(c.sink, max_context), W = std::min(c.recent, std::max<int64_t>(max_context - c.sink, 0)),
+                  B = std::max<int64_t>(max_context - c.sink - c.recent, 0), G = head_dim / c.cluster_dim;
+    dims = {q_heads, kv_heads, 1, head_dim, S, W, B};
+    const int bits[2] = {c.k_bits, c.v_bits};
+    levels[0] = k_levels, levels[1] = v_levels;
+    for (int i = 0; i < 2; ++i) {
+      sink[i].assign(kv_heads * S * head_dim, 0);
+      recent[i].assign(kv_heads * W * head_dim, 0);
+      codes[i].assign(kv_heads * B * head_dim * bits[i] / 8, 0);
+      scale[i].assign(kv_heads * B * G, 0);
+      zero[i].assign(kv_heads * B * G, 0);
+    }
+  }
+
+  Status run(const float* q, const uint16_t* k, const uint16_t* v, int64_t tokens, int64_t length, float* out) {
+    AttentionArgs a;
+    a.config = cfg;
+    a.dims = dims;
+    a.dims.tokens = tokens;
+    a.q = q, a.k_new = k, a.v_new = v, a.length = length, a.out = out;
+    a.k = {sink[0].data(), recent[0].data(), codes[0].data(), scale[0].data(), zero[0].data(), levels[0].data()};
+    a.v = {sink[1].data(), recent[1].data(), codes[1].data(), scale[1].data(), zero[1].data(), levels[1].data()};
+    return oscar_attention(a);
+  }
+
+  bool operator==(const Cache& o) const {
+    for (int i = 0; i < 2; ++i)
+      if (sink[i] != o.sink[i] || recent[i] != o.recent[i] || codes[i] != o.codes[i] || scale[i] != o.scale[i] ||
+          zero[i] != o.zero[i])
+        return false;
+    return true;
+  }
+};
+
+std::vector<float> uniform(int bits) {
+  std::vector<float> l(1 << bits);
+  for (size_t i = 0; i < l.size(); ++i) l[i] = float(i);
+  return l;
+}
+
+void test_fp16() {
+  // Every finite fp16 survives f16 -> f32 -> f16; NaN stays NaN.
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const float x = f16_to_f32(uint16_t(h));
+    if ((h & 0x7c00) == 0x7c00 && (h & 0x3ff)) {
+      EXPECT(std::isnan(x) && std::isnan(f16_to_f32(f32_to_f16(x))), "NaN %04x", h);
+    } else {
+      EXPECT(f32_to_f16(x) == h, "round trip %04x -> %g -> %04x", h, x, f32_to_f16(x));
+    }
+  }
+  // Round to nearest even at the normal, subnormal and overflow boundaries.
+  const struct { float x; uint16_t h; } cases[] = {
+      {1.0f + 0x1p-11f, 0x3c00},  {1.0f + 0x1.8p-11f, 0x3c01}, {1.0f + 0x1p-10f + 0x1p-11f, 0x3c02},
+      {65504.0f, 0x7bff},         {65519.99f, 0x7bff},          {65520.0f, 0x7c00},
+      {0x1p-24f, 0x0001},         {0x1p-25f, 0x0000},           {0x1.000002p-25f, 0x0001},
+      {0x1.8p-24f, 0x0002},       {-0x1p-14f, 0x8400},          {-0.0f, 0x8000}, {1e-30f, 0x0000}};
+  for (const auto& c : cases) EXPECT(f32_to_f16(c.x) == c.h, "f32_to_f16(%a) = %04x, expected %04x", c.x, f32_to_f16(c.x), c.h);
+}
+
+// docs/format.md section 4: codes of one group built so u lands exactly on each code.
+void test_packing_examples() {
+  const struct { int bits; std::vector<int> codes; std::vector<uint8_t> bytes; } cases[] = {
+      {2, {1, 2, 3, 0, 3, 3, 3, 3}, {0x39, 0xFF}},
+      {3, {1, 2, 3, 4, 5, 6, 7, 0}, {0xD1, 0x58, 0x1F}},
+      {4, {1, 15, 10, 2, 0, 0, 0, 0}, {0xF1, 0x2A, 0x00, 0x00}}};
+  for (const auto& c : cases) {
+    const int top = (1 << c.bits) - 1;
+    std::vector<float> x(32, 0.0f);  // codes 0 .. top with lo = 0, hi = top: scale 1, zero 0
+    for (size_t i = 0; i < c.codes.size(); ++i) x[i] = float(c.codes[i]);
+    x[31] = float(top);
+    std::vector<uint8_t> codes(32 * c.bits / 8);
+    uint16_t scale, zero;
+    EXPECT(quantize_pack(x.data(), 1, 32, c.bits, 32, 1.0f, nullptr, codes.data(), &scale, &zero).ok(), "pack");
+    EXPECT(scale == f32_to_f16(1.0f) && zero == 0, "scale %04x zero %04x", scale, zero);
+    for (size_t i = 0; i < c.bytes.size(); ++i)
+      EXPECT(codes[i] == c.bytes[i], "%d-bit byte %zu = %02x, expected %02x", c.bits, i, codes[i], c.bytes[i]);
+  }
+}
+
+// Bad input: an error naming the problem, and no buffer written.
+void test_bad_input() {
+  AttentionConfig cfg;
+  cfg.sink = 2, cfg.recent = 2, cfg.cluster_dim = 32, cfg.scaling = 0.25f;
+  auto expect_error = [&](const AttentionConfig& c, int64_t T, int64_t length, const char* what,
+                          void (*spoil)(std::vector<float>&, std::vector<uint16_t>&, Cache&)) {
+    Cache cache(c, 2, 1, 32, 8, uniform(c.k_bits >= 2 && c.k_bits <= 4 ? c.k_bits : 2),
+                uniform(c.v_bits >= 2 && c.v_bits <= 4 ? c.v_bits : 2));
+    for (auto* buf : {&cache.sink[0], &cache.recent[1], &cache.scale[0]}) std::fill(buf->begin(), buf->end(), 0x1234);
+    std::vector<float> q(2 * T * 32, 0.5f), out(2 * T * 32, 7.0f);
+    std::vector<uint16_t> kv(T * 32, f32_to_f16(0.25f));
+    if (spoil) spoil(q, kv, cache);
+    const Cache before = cache;
+    const Status st = cache.run(q.data(), kv.data(), kv.data(), T, length, out.data());
+    EXPECT(!st.ok() && st.error.find(what) != std::string::npos, "expected an error about '%s', got '%s'", what,
+           st.error.c_str());
+    EXPECT(cache == before && out == std::vector<float>(out.size(), 7.0f), "a failing call wrote a buffer (%s)", what);
+  };
+  expect_error(cfg, 3, 6, "cache capacity exceeded", nullptr);
+  expect_error(cfg, 1, -1, "length", nullptr);
+  AttentionConfig c = cfg;
+  c.k_bits = 5;
+  expect_error(c, 1, 0, "k_bits", nullptr);
+  c = cfg, c.v_clip = 0.3f;
+  expect_error(c, 1, 0, "v_clip", nullptr);
+  c = cfg, c.scaling = NAN;
+  expect_error(c, 1, 0, "scaling", nullptr);
+  expect_error(cfg, 1, 0, "q contains NaN", [](auto& q, auto&, auto&) { q[5] = NAN; });
+  expect_error(cfg, 1, 0, "k_new contains inf", [](auto&, auto& kv, auto&) { kv[3] = 0x7c00; });
+  expect_error(cfg, 1, 0, "k_levels", [](auto&, auto&, Cache& cc) { cc.levels[0] = {0, 2, 1, 3}; });
+  expect_error(cfg, 1, 0, "v_levels", [](auto&, auto&, Cache& cc) { cc.levels[1] = {0, 1, 2, 3.5f}; });
+  expect_error(cfg, 1, 0, "cache capacities", [](auto&, auto&, Cache& cc) { cc.dims.sink_cap -= 1; });
+  expect_error(cfg, 1, 0, "kv_heads", [](auto&, auto&, Cache& cc) { cc.dims.q_heads = 3, cc.dims.kv_heads = 2; });
+  expect_error(cfg, 1, 0, "is null", [](auto&, auto&, Cache& cc) { std::vector<uint8_t>().swap(cc.codes[0]); });
+
+  float x[64];
+  for (int i = 0; i < 64; ++i) x[i] = float(i);
+  uint8_t codes[16];
+  uint16_t s[2], z[2];
+  x[7] = INFINITY;
+  EXPECT(quantize_pack(x, 1, 64, 2, 32, 1.0f, nullptr, codes, s, z).error.find("inf") != std::string::npos, "inf");
+  x[7] = 1e30f;
+  EXPECT(quantize_pack(x, 1, 64, 2, 32, 1.0f, nullptr, codes, s, z).error.find("float16") != std::string::npos,
+         "overflow");
+  EXPECT(quantize_pack(x, 1, 48, 2, 32, 1.0f, nullptr, codes, s, z).error.find("head_dim") != std::string::npos,
+         "head_dim");
+}
+
+// Random decode states: every fused kernel against the dense path, 1e-4 relative; same cache after.
+void test_random(int count) {
+  std::mt19937 rng(1234);
+  auto pick = [&](std::initializer_list<int> xs) { return *(xs.begin() + rng() % xs.size()); };
+  std::normal_distribution<float> normal;
+  const bool simd = simd_runs();
+  double worst = 0;
+  for (int n = 0; n < count; ++n) {
+    AttentionConfig cfg;
+    cfg.k_bits = pick({2, 3, 4}), cfg.v_bits = pick({2, 3, 4});
+    cfg.cluster_dim = pick({32, 64, 128});
+    const int64_t D = cfg.cluster_dim * (cfg.cluster_dim == 128 ? 1 : pick({1, 2}));
+    cfg.sink = pick({0, 1, 3}), cfg.recent = pick({0, 1, 4, 9});
+    cfg.k_clip = pick({0, 1}) ? 1.0f : 0.9f, cfg.v_clip = pick({0, 1}) ? 1.0f : 0.8f;
+    cfg.scaling = 1.0f / std::sqrt(float(D));
+    cfg.threads = pick({1, 2});
+    const int64_t kv_heads = pick({1, 2, 3}), q_heads = kv_heads * pick({1, 2, 3, 5}), C = pick({20, 90, 150});
+    std::vector<float> lv[2];
+    for (int i = 0; i < 2; ++i) {
+      const int bits = i ? cfg.v_bits : cfg.k_bits;
+      lv[i] = uniform(bits);
+      if (rng() % 2)  // Lloyd-Max-like: ascending, inside [0, L-1]
+        for (size_t j = 1; j + 1 < lv[i].size(); ++j) lv[i][j] = float(j) + 0.4f * (normal(rng) > 0 ? 1.0f : -1.0f) * 0.5f;
+    }
+    Cache base(cfg, q_heads, kv_heads, D, C, lv[0], lv[1]);
+    const int64_t length = rng() % C;  // the decode step lands at position `length`
+    std::vector<float> q(q_heads * std::max<int64_t>(length, 1) * D), out(q.size());
+    std::vector<uint16_t> k(kv_heads * std::max<int64_t>(length, 1) * D), v(k.size());
+    const float mag = pick({1, 30});
+    for (auto& x : q) x = normal(rng);
+    for (auto& x : k) x = f32_to_f16(normal(rng) * mag);
+    for (auto& x : v) x = f32_to_f16(normal(rng) * mag);
+    if (length) EXPECT(base.run(q.data(), k.data(), v.data(), length, 0, out.data()).ok(), "prefill");
+    std::vector<float> qd(q_heads * D);
+    std::vector<uint16_t> kd(kv_heads * D), vd(kv_heads * D);
+    for (auto& x : qd) x = normal(rng);
+    for (auto& x : kd) x = f32_to_f16(normal(rng) * mag);
+    for (auto& x : vd) x = f32_to_f16(normal(rng) * mag);
+    std::vector<float> want(q_heads * D);
+    Cache dense = base;
+    dense.cfg.kernel = Kernel::kDense;
+    const Status st = dense.run(qd.data(), kd.data(), vd.data(), 1, length, want.data());
+    EXPECT(st.ok(), "dense decode: %s", st.error.c_str());
+    for (Kernel kernel : {Kernel::kScalar, Kernel::kSimd, Kernel::kAuto}) {
+      if (kernel == Kernel::kSimd && !simd) continue;
+      Cache c = base;
+      c.cfg.kernel = kernel;
+      std::vector<float> got(want.size());
+      EXPECT(c.run(qd.data(), kd.data(), vd.data(), 1, length, got.data()).ok(), "decode");
+      const double err = rel_err(got, want);
+      worst = std::fmax(worst, err);
+      EXPECT(err <= 1e-4, "random case %d kernel %s: relative error %g", n, kKernelNames[int(kernel)], err);
+      EXPECT(c == dense, "random case %d kernel %s: cache differs from the dense path", n, kKernelNames[int(kernel)]);
+    }
+  }
+  std::printf("random: %d decode states, fused vs dense max relative error %.3g (simd %s)\n", count, worst,
+              simd ? "on" : "unavailable");
+}
+
+// ---- golden cases ------------------------------------------------------------------------
+
+template <typename T>
+std::vector<T> read_bin(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) {
+    std::fprintf(stderr, "cannot read %s\n", path.c_str());
+    std::exit(2);
+  }
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<T> out(bytes.size() / sizeof(T));
+  std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));
+  return out;
+}
+
+void test_golden(const std::string& dir) {
+  std::map<std::string, std::string> meta;
+  std::ifstream f(dir + "/case.txt");
+  for (std::string key, value; f >> key >> value;) meta[key] = value;
+  auto num = [&](const char* key) { return std::strtod(meta.at(key).c_str(), nullptr); };  // hex floats too
+  AttentionConfig cfg;
+  cfg.k_bits = int(num("k_bits")), cfg.v_bits = int(num("v_bits")), cfg.cluster_dim = int(num("cluster_dim"));
+  cfg.sink = int64_t(num("sink")), cfg.recent = int64_t(num("recent"));
+  cfg.k_clip = float(num("k_clip")), cfg.v_clip = float(num("v_clip")), cfg.scaling = float(num("scaling"));
+  const int64_t Hq = int64_t(num("q_heads")), Hkv = int64_t(num("kv_heads")), D = int64_t(num("head_dim")),
+                N = int64_t(num("tokens")), P = int64_t(num("prefill"));
+  const std::string name = meta["name"];
+
+  // Codec: bit-exact.
+  const auto x = read_bin<float>(dir + "/codec_input.bin");
+  const auto codec_levels = read_bin<float>(dir + "/codec_levels.bin");
+  const int64_t rows = int64_t(x.size()) / D, G = D / cfg.cluster_dim;
+  const int cbits = int(num("codec_bits"));
+  std::vector<uint8_t> codes(rows * D * cbits / 8);
+  std::vector<uint16_t> scale(rows * G), zero(rows * G);
+  const Status st = quantize_pack(x.data(), rows, D, cbits, cfg.cluster_dim, float(num("codec_clip")),
+                                  codec_levels.data(), codes.data(), scale.data(), zero.data());
+  EXPECT(st.ok(), "%s codec: %s", name.c_str(), st.error.c_str());
+  EXPECT(codes == read_bin<uint8_t>(dir + "/codec_codes.bin"), "%s: codec codes differ", name.c_str());
+  EXPECT(scale == read_bin<uint16_t>(dir + "/codec_scale.bin"), "%s: codec scales differ", name.c_str());
+  EXPECT(zero == read_bin<uint16_t>(dir + "/codec_zero.bin"), "%s: codec zeros differ", name.c_str());
+
+  // Replay: prefill of P tokens, then one decode step per remaining token.
+  const auto q = read_bin<float>(dir + "/q.bin");  // [Hq, N, D] rotated
+  const auto k = read_bin<uint16_t>(dir + "/k.bin"), v = read_bin<uint16_t>(dir + "/v.bin");  // [Hkv, N, D]
+  const auto want_prefill = read_bin<float>(dir + "/prefill_out.bin"), want_decode = read_bin<float>(dir + "/decode_out.bin");
+  auto slice = [&](const auto& src, int64_t heads, int64_t t0, int64_t t1) {
+    std::vector<typename std::decay_t<decltype(src)>::value_type> out;
+    for (int64_t h = 0; h < heads; ++h)
+      out.insert(out.end(), src.begin() + (h * N + t0) * D, src.begin() + (h * N + t1) * D);
+    return out;
+  };
+  const bool simd = simd_runs();
+  double worst = 0;
+  for (Kernel kernel : kKernels) {
+    if (kernel == Kernel::kSimd && !simd) continue;
+    cfg.kernel = kernel;
+    cfg.threads = kernel == Kernel::kScalar ? 2 : 1;
+    Cache cache(cfg, Hq, Hkv, D, N, read_bin<float>(dir + "/k_levels.bin"), read_bin<float>(dir + "/v_levels.bin"));
+    std::vector<float> out(Hq * P * D);
+    const auto qp = slice(q, Hq, 0, P);
+    const auto kp = slice(k, Hkv, 0, P), vp = slice(v, Hkv, 0, P);
+    Status s = cache.run(qp.data(), kp.data(), vp.data(), P, 0, out.data());
+    EXPECT(s.ok(), "%s prefill: %s", name.c_str(), s.error.c_str());
+    worst = std::fmax(worst, rel_err(out, want_prefill));
+    EXPECT(rel_err(out, want_prefill) <= 1e-3, "%s prefill (%s): relative error %g", name.c_str(),
+           kKernelNames[int(kernel)], rel_err(out, want_prefill));
+    for (int64_t t = P; t < N; ++t) {
+      const auto qt = slice(q, Hq, t, t + 1);
+      const auto kt = slice(k, Hkv, t, t + 1), vt = slice(v, Hkv, t, t + 1);
+      std::vector<float> o(Hq * D);
+      s = cache.run(qt.data(), kt.data(), vt.data(), 1, t, o.data());
+      EXPECT(s.ok(), "%s decode %lld: %s", name.c_str(), (long long)t, s.error.c_str());
+      const std::vector<float> want(want_decode.begin() + (t - P) * Hq * D, want_decode.begin() + (t - P + 1) * Hq * D);
+      worst = std::fmax(worst, rel_err(o, want));
+      EXPECT(rel_err(o, want) <= 1e-3, "%s decode step %lld (%s): relative error %g", name.c_str(), (long long)t,
+             kKernelNames[int(kernel)], rel_err(o, want));
+    }
+    const char* kinds[2] = {"k", "v"};
+    for (int i = 0; i < 2; ++i) {
+      const std::string p = dir + "/final_" + kinds[i] + "_";
+      EXPECT(cache.sink[i] == read_bin<uint16_t>(p + "sink.bin"), "%s: final %s sink differs", name.c_str(), kinds[i]);
+      EXPECT(cache.recent[i] == read_bin<uint16_t>(p + "recent.bin"), "%s: final %s ring differs", name.c_str(), kinds[i]);
+      EXPECT(cache.codes[i] == read_bin<uint8_t>(p + "codes.bin"), "%s: final %s codes differ", name.c_str(), kinds[i]);
+      EXPECT(cache.scale[i] == read_bin<uint16_t>(p + "scale.bin"), "%s: final %s scales differ", name.c_str(), kinds[i]);
+      EXPECT(cache.zero[i] == read_bin<uint16_t>(p + "zero.bin"), "%s: final %s zeros differ", name.c_str(), kinds[i]);
+    }
+  }
+  std::printf("golden %s: max relative error %.3g\n", name.c_str(), worst);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int random = 200;
+  std::vector<std::string> cases;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--random" && i + 1 < argc) {
+      random = std::atoi(argv[++i]);
+    } else {
+      cases.push_back(argv[i]);
+    }
+  }
+  test_fp16();
+  test_packing_examples();
+  test_bad_input();
+  test_random(random);
+  for (const std::string& dir : cases) test_golden(dir);
+  std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "OK", failures);
+  return failures ? 1 : 0;
+}

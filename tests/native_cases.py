@@ -1,0 +1,177 @@
+"""Cases for the native OscarAttention op (tests/test_native_core.py, tests/test_ort_ops.py).
+
+The op works in rotated space on one layer: q fp32 and k/v fp16 already rotated, outputs before
+the R_v^T that the model folds into its output projection. A Case holds one sequence in those
+terms: its chunks (a prefill then decode steps, or random sizes), the reference outputs and the
+reference cache after the last chunk.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from oscar_export import OscarConfig
+from oscar_export.cache import OscarKVCache, capacities
+
+VECTORS = Path(__file__).parent / "vectors"
+INDEX = json.loads((VECTORS / "index.json").read_text())
+# The native op keeps fp16 scales (the recommended scale_dtype); other scale dtypes stay with the reference.
+GOLDEN = sorted(name for name, meta in INDEX["cases"].items() if meta["config"]["scale_dtype"] == "float16")
+KINDS = ("k", "v")
+REGIONS = ("sink", "recent", "codes", "scale", "zero")
+# Cache buffers in the op's input order (after q, k_new, v_new).
+CACHE_INPUTS = ("k_sink", "v_sink", "k_recent", "v_recent", "k_codes", "k_scale", "k_zero",
+                "v_codes", "v_scale", "v_zero", "k_levels", "v_levels")
+
+
+@dataclass
+class Case:
+    name: str
+    config: OscarConfig
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    max_context: int
+    levels: dict[str, np.ndarray]  # fp32 [2**bits] per kind, uniform included
+    chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # rotated q fp32, k fp16, v fp16
+    outputs: list[np.ndarray]  # fp32 [q_heads, T, head_dim], rotated (V) space
+    final: dict[str, np.ndarray]  # "k_sink" ... "v_zero" as in the op, after the last chunk
+
+    @property
+    def scaling(self) -> float:
+        return float(np.float32(self.head_dim**-0.5))
+
+    def empty_cache(self) -> dict[str, np.ndarray]:
+        """Zeroed cache buffers in the op's layout, levels filled in."""
+        s, w, b = capacities(self.config, self.max_context)
+        h, d, g = self.kv_heads, self.head_dim, self.head_dim // self.config.cluster_dim
+        out = {}
+        for kind in KINDS:
+            out[f"{kind}_sink"] = np.zeros((h, s, d), np.float16)
+            out[f"{kind}_recent"] = np.zeros((h, w, d), np.float16)
+            out[f"{kind}_codes"] = np.zeros((h, b, d * self.config.bits(kind) // 8), np.uint8)
+            out[f"{kind}_scale"] = np.zeros((h, b, g), np.float16)
+            out[f"{kind}_zero"] = np.zeros((h, b, g), np.float16)
+            out[f"{kind}_levels"] = self.levels[kind].copy()
+        return {name: out[name] for name in CACHE_INPUTS}
+
+
+def rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| / max |want|: the format's relative error of one attention output."""
+    return float(np.abs(got.astype(np.float64) - want).max() / max(float(np.abs(want).max()), 1e-30))
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.dtype.kind == "f":
+        a, b = a.view(f"u{a.itemsize}"), b.view(f"u{b.itemsize}")
+    return a.shape == b.shape and bool((a == b).all())
+
+
+def _final(cache: OscarKVCache) -> dict[str, np.ndarray]:
+    return {f"{kind}_{region}": getattr(cache, region)[kind][0].numpy().copy() for kind in KINDS for region in REGIONS}
+
+
+def _levels(cache: OscarKVCache, config: OscarConfig) -> dict[str, np.ndarray]:
+    return {kind: (np.arange(2 ** config.bits(kind), dtype=np.float32) if cache.levels[kind][0] is None
+                   else cache.levels[kind][0].numpy().astype(np.float32)) for kind in KINDS}
+
+
+def golden_case(name: str) -> Case:
+    """A golden vector case: prefill then decode steps, outputs mapped into rotated space."""
+    meta = INDEX["cases"][name]
+    cfg = OscarConfig.from_dict(meta["config"])
+    t = load_file(str(VECTORS / meta["file"]))
+    lloyd = cfg.codebook == "lloyd-max"
+    cache = OscarKVCache(cfg, 1, meta["kv_heads"], meta["head_dim"], meta["tokens"],
+                         t["cache.k_rotation"], t["cache.v_rotation"],
+                         t["cache.k_levels"] if lloyd else None, t["cache.v_levels"] if lloyd else None)
+    bounds = [(0, meta["prefill"])] + [(i, i + 1) for i in range(meta["prefill"], meta["tokens"])]
+    outs = [t["cache.prefill_out"]] + [row.unsqueeze(1) for row in t["cache.decode_out"]]
+    # Each chunk is rotated on its own, exactly as OscarKVCache.attend rotated it.
+    chunks = [(cache.rotate("k", 0, t["cache.q"][:, a:b]).numpy(),
+               cache.rotate("k", 0, t["cache.k"][:, a:b]).half().numpy(),
+               cache.rotate("v", 0, t["cache.v"][:, a:b]).half().numpy()) for a, b in bounds]
+    # out = out_rot @ R_v^T with R_v orthogonal, so out_rot = out @ R_v.
+    outputs = [cache.rotate("v", 0, out).numpy() for out in outs]
+    final = {f"{kind}_{region}": t[f"cache.final.{kind}.{region}"][0].numpy() for kind in KINDS for region in REGIONS}
+    return Case(name, cfg, meta["q_heads"], meta["kv_heads"], meta["head_dim"], meta["tokens"],
+                _levels(cache, cfg), chunks, outputs, final)
+
+
+def _random_levels(rng: np.random.Generator, bits: int) -> torch.Tensor:
+    n = 2**bits
+    while True:  # ascending inside [0, n - 1], like fitted Lloyd-Max levels
+        levels = np.sort(rng.uniform(0, n - 1, n)).astype(np.float32)
+        if (np.diff(levels) > 1e-3).all():
+            return torch.from_numpy(levels)
+
+
+def random_case(rng: np.random.Generator, index: int, max_context: int = 40, max_chunk: int = 12) -> Case:
+    """A small random sequence (identity rotation) run through the reference OscarKVCache."""
+    cluster_dim = int(rng.choice([32, 64, 128]))
+    head_dim = cluster_dim * int(rng.choice([1, 2])) if cluster_dim < 128 else 128
+    cfg = OscarConfig(
+        k_bits=int(rng.choice([2, 3, 4])), v_bits=int(rng.choice([2, 3, 4])), cluster_dim=cluster_dim,
+        k_clip=float(rng.choice([1.0, 1.0, 0.96, 0.8, 0.5])), v_clip=float(rng.choice([1.0, 1.0, 0.92, 0.7])),
+        codebook=str(rng.choice(["uniform", "uniform", "lloyd-max"])),
+        sink=int(rng.choice([0, 1, 2, 5])), recent=int(rng.choice([0, 1, 3, 8])),
+    )
+    kv_heads = int(rng.choice([1, 2]))
+    q_heads = kv_heads * int(rng.choice([1, 2, 3, 4]))
+    max_context = int(rng.integers(1, max_context + 1))
+    tokens = int(rng.integers(1, max_context + 1))
+    levels = {kind: None if cfg.codebook == "uniform" else [_random_levels(rng, cfg.bits(kind))] for kind in KINDS}
+    cache = OscarKVCache(cfg, 1, kv_heads, head_dim, max_context, k_levels=levels["k"], v_levels=levels["v"])
+    scale = float(rng.choice([1.0, 10.0, 300.0]))
+    q = torch.from_numpy(rng.standard_normal((q_heads, tokens, head_dim), dtype=np.float32))
+    k, v = (torch.from_numpy(rng.standard_normal((kv_heads, tokens, head_dim), dtype=np.float32) * scale)
+            for _ in KINDS)
+    if rng.random() < 0.2:  # a constant vector: scale 0, codes 0
+        k[:, int(rng.integers(tokens))] = 1.5
+    chunks, outputs, start = [], [], 0
+    while start < tokens:
+        t = 1 if rng.random() < 0.5 else int(rng.integers(2, max_chunk))
+        end = min(tokens, start + t)
+        outputs.append(cache.attend(0, q[:, start:end], k[:, start:end], v[:, start:end]).numpy())
+        chunks.append((q[:, start:end].numpy(), k[:, start:end].half().numpy(), v[:, start:end].half().numpy()))
+        start = end
+    return Case(f"random{index}", cfg, q_heads, kv_heads, head_dim, max_context, _levels(cache, cfg),
+                chunks, outputs, _final(cache))
+
+
+def export_for_core_test(case: Case, directory: Path) -> Path:
+    """Write a golden case in runtime_ops/tests/core_test.cc's format: case.txt + raw .bin files."""
+    directory.mkdir(parents=True, exist_ok=True)
+    meta = INDEX["cases"][case.name]
+    cfg = case.config
+    t = load_file(str(VECTORS / meta["file"]))
+    fields = {
+        "name": case.name, "k_bits": cfg.k_bits, "v_bits": cfg.v_bits, "cluster_dim": cfg.cluster_dim,
+        "sink": cfg.sink, "recent": cfg.recent, "k_clip": float(np.float32(cfg.k_clip)).hex(),
+        "v_clip": float(np.float32(cfg.v_clip)).hex(), "scaling": case.scaling.hex(),
+        "q_heads": case.q_heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim,
+        "tokens": meta["tokens"], "prefill": meta["prefill"],
+        "codec_bits": meta["codec_bits"], "codec_clip": float(np.float32(meta["codec_clip"])).hex(),
+    }
+    (directory / "case.txt").write_text("".join(f"{key} {value}\n" for key, value in fields.items()))
+    arrays = {
+        "q": np.concatenate([c[0] for c in case.chunks], axis=1),
+        "k": np.concatenate([c[1] for c in case.chunks], axis=1),
+        "v": np.concatenate([c[2] for c in case.chunks], axis=1),
+        "k_levels": case.levels["k"], "v_levels": case.levels["v"],
+        "prefill_out": case.outputs[0],
+        "decode_out": np.stack([out[:, 0] for out in case.outputs[1:]]),
+        "codec_input": t["codec.input"].numpy(), "codec_levels": case.levels["k"],
+        "codec_codes": t["codec.codes"].numpy(), "codec_scale": t["codec.scale"].numpy(),
+        "codec_zero": t["codec.zero"].numpy(),
+    }
+    arrays.update({f"final_{name}": value for name, value in case.final.items()})
+    for name, value in arrays.items():
+        np.ascontiguousarray(value).tofile(directory / f"{name}.bin")
+    return directory

@@ -1,0 +1,265 @@
+"""The native C++ core (runtime_ops/core) against the reference, through its C ABI (ctypes).
+
+Also runs runtime_ops/tests/core_test.cc three ways: natively, built with AddressSanitizer +
+UndefinedBehaviorSanitizer, and cross-built for aarch64 under qemu-aarch64 (the NEON kernels).
+Needs cmake and g++; the aarch64 test needs the Debian packages g++-aarch64-linux-gnu and qemu-user.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from native_cases import (GOLDEN, INDEX, VECTORS, Case, export_for_core_test, golden_case, random_case, rel_err,
+                          same_bits)
+from oscar_export.codec import quantize
+from oscar_export.native import CORE_TEST, build_native, core_library_path
+
+if shutil.which("cmake") is None or shutil.which("g++") is None:
+    pytest.skip("the native core needs cmake and g++ (Debian: apt-get install cmake g++)", allow_module_level=True)
+
+KERNELS = {"auto": 0, "dense": 1, "scalar": 2, "simd": 3}
+RANDOM_CASES = 1000
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_threaded_reference():
+    """The reference works on tiny tensors: one torch thread avoids OpenMP spin-waits on busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class OscarAttentionConfig(ctypes.Structure):
+    _fields_ = [("k_bits", ctypes.c_int32), ("v_bits", ctypes.c_int32), ("cluster_dim", ctypes.c_int32),
+                ("sink", ctypes.c_int64), ("recent", ctypes.c_int64), ("k_clip", ctypes.c_float),
+                ("v_clip", ctypes.c_float), ("scaling", ctypes.c_float), ("threads", ctypes.c_int32),
+                ("kernel", ctypes.c_int32)]
+
+
+class NativeError(Exception):
+    pass
+
+
+class Core:
+    """ctypes view of runtime_ops/core/oscar_c_api.h."""
+
+    def __init__(self, path):
+        self.lib = ctypes.CDLL(str(path))
+        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+        self.lib.oscar_quantize_pack.argtypes = [p, i64, i64, i32, i32, f32, p, p, i64, p, p, i64, ctypes.c_char_p,
+                                                 ctypes.c_size_t]
+        self.lib.oscar_attention.argtypes = [ctypes.POINTER(OscarAttentionConfig), ctypes.POINTER(i64),
+                                             ctypes.POINTER(p), ctypes.POINTER(i64), i64, ctypes.c_char_p,
+                                             ctypes.c_size_t]
+
+    def _check(self, rc, err):
+        if rc:
+            raise NativeError(err.value.decode())
+
+    def quantize_pack(self, x: np.ndarray, bits, cluster_dim, clip=1.0, levels=None):
+        x = np.ascontiguousarray(x, np.float32)
+        rows, d = x.shape
+        codes = np.zeros((rows, d * bits // 8), np.uint8)
+        scale = np.zeros((rows, d // cluster_dim), np.float16)
+        zero = np.zeros_like(scale)
+        lv = None if levels is None else np.ascontiguousarray(levels, np.float32)
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.oscar_quantize_pack(x.ctypes.data, rows, d, bits, cluster_dim, clip,
+                                          None if lv is None else lv.ctypes.data, codes.ctypes.data, codes.size,
+                                          scale.ctypes.data, zero.ctypes.data, scale.size, err, len(err))
+        self._check(rc, err)
+        return codes, scale, zero
+
+    def attention(self, case: Case, cache: dict, q, k, v, length, threads=1, kernel="auto", dims=None):
+        """One op call; cache (Case.empty_cache layout) is updated in place. Returns out [Hq, T, D].
+
+        kernel: a KERNELS name, or a raw number (to test how a bad one is refused).
+        """
+        cfg = case.config
+        c = OscarAttentionConfig(cfg.k_bits, cfg.v_bits, cfg.cluster_dim, cfg.sink, cfg.recent, cfg.k_clip,
+                                 cfg.v_clip, case.scaling, threads, KERNELS.get(kernel, kernel))
+        out = np.zeros(q.shape, np.float32)
+        buffers = [q, k, v, *cache.values(), out]
+        assert all(b.flags.c_contiguous for b in buffers)
+        if dims is None:
+            dims = (q.shape[0], k.shape[0], q.shape[1], q.shape[2], cache["k_sink"].shape[1],
+                    cache["k_recent"].shape[1], cache["k_scale"].shape[1])
+        err = ctypes.create_string_buffer(512)
+        rc = self.lib.oscar_attention(ctypes.byref(c), (ctypes.c_int64 * 7)(*dims),
+                                      (ctypes.c_void_p * 16)(*[b.ctypes.data for b in buffers]),
+                                      (ctypes.c_int64 * 16)(*[b.size for b in buffers]), length, err, len(err))
+        self._check(rc, err)
+        return out
+
+
+@pytest.fixture(scope="module")
+def core():
+    return Core(core_library_path())
+
+
+def replay(core: Core, case: Case, **kwargs) -> tuple[float, dict]:
+    """Run every chunk of a case through the op; returns the worst output error and the final cache."""
+    cache, length, worst = case.empty_cache(), 0, 0.0
+    for (q, k, v), want in zip(case.chunks, case.outputs):
+        out = core.attention(case, cache, np.ascontiguousarray(q), np.ascontiguousarray(k),
+                             np.ascontiguousarray(v), length, **kwargs)
+        worst = max(worst, rel_err(out, want))
+        length += q.shape[1]
+    return worst, cache
+
+
+def assert_final_cache(case: Case, cache: dict) -> None:
+    for name, want in case.final.items():
+        assert same_bits(cache[name], want), f"{case.name}: final {name} differs"
+
+
+# -- golden vectors ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", GOLDEN)
+def test_quantize_pack_matches_golden_codec(core, name):
+    meta = INDEX["cases"][name]
+    t = load_file(str(VECTORS / meta["file"]))
+    levels = t["cache.k_levels"][0].numpy() if meta["config"]["codebook"] == "lloyd-max" else None
+    codes, scale, zero = core.quantize_pack(t["codec.input"].numpy(), meta["codec_bits"],
+                                            meta["config"]["cluster_dim"], meta["codec_clip"], levels)
+    assert same_bits(codes, t["codec.codes"].numpy())
+    assert same_bits(scale, t["codec.scale"].numpy())
+    assert same_bits(zero, t["codec.zero"].numpy())
+
+
+@pytest.mark.parametrize("kernel", ["dense", "scalar", "auto"])
+@pytest.mark.parametrize("name", GOLDEN)
+def test_golden_replay(core, name, kernel):
+    case = golden_case(name)
+    worst, cache = replay(core, case, kernel=kernel, threads=2 if kernel == "scalar" else 1)
+    assert worst <= 1e-3, f"{name}: attention relative error {worst:.3g}"
+    assert_final_cache(case, cache)
+
+
+# -- randomized ---------------------------------------------------------------------------------
+
+
+def test_quantize_pack_random_matches_codec(core):
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        bits, cluster_dim = int(rng.choice([2, 3, 4])), int(rng.choice([32, 64, 128]))
+        d = cluster_dim * int(rng.integers(1, 3))
+        clip = float(rng.choice([1.0, 0.96, 0.5]))
+        magnitude = np.float32(10.0 ** rng.uniform(-4, 3.5))  # |x| stays inside fp16 range
+        x = rng.standard_normal((int(rng.integers(1, 9)), d), dtype=np.float32) * magnitude
+        x = x.astype(np.float16).astype(np.float32) if rng.random() < 0.5 else x  # window values are fp16
+        levels = np.sort(rng.uniform(0, 2**bits - 1, 2**bits)).astype(np.float32) if rng.random() < 0.3 else None
+        if levels is not None and (np.diff(levels) <= 0).any():
+            continue
+        ref_levels = None if levels is None else torch.from_numpy(levels)
+        want = quantize(torch.from_numpy(x), bits, cluster_dim, clip, ref_levels)
+        got = core.quantize_pack(x, bits, cluster_dim, clip, levels)
+        for g, w in zip(got, want):
+            assert same_bits(g, w.numpy())
+
+
+def test_random_cases_match_the_reference(core):
+    """RANDOM_CASES small sequences: bits, groups, clip, Lloyd-Max, windows incl. 0, GQA, T = 1 and T > 1."""
+    rng = np.random.default_rng(2024)
+    start, worst, chunks = time.perf_counter(), 0.0, 0
+    for i in range(RANDOM_CASES):
+        case = random_case(rng, i)
+        kernel = ("auto", "dense", "scalar", "simd")[i % 4]
+        err, cache = replay(core, case, kernel=kernel, threads=1 + i % 2)
+        assert err <= 1e-3, f"{case.name} ({case.config}, kernel {kernel}): relative error {err:.3g}"
+        assert_final_cache(case, cache)
+        worst, chunks = max(worst, err), chunks + len(case.chunks)
+    print(f"{RANDOM_CASES} random cases, {chunks} op calls: max relative error {worst:.3g} "
+          f"in {time.perf_counter() - start:.1f} s")
+
+
+def test_long_chunks_cross_the_query_tiles(core):
+    """Prefill chunks longer than the dense path's 64-token query tiles and key blocks."""
+    rng = np.random.default_rng(5)
+    for i in range(8):
+        case = random_case(rng, i, max_context=200, max_chunk=150)
+        err, cache = replay(core, case, threads=2)
+        assert err <= 1e-3, f"{case.name} ({case.config}): relative error {err:.3g}"
+        assert_final_cache(case, cache)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_bad_input_is_an_error_and_writes_nothing(core):
+    case = golden_case(GOLDEN[0])
+    q, k, v = (np.ascontiguousarray(x) for x in case.chunks[0])
+    cache = case.empty_cache()
+    before = {name: a.copy() for name, a in cache.items()}
+    with pytest.raises(NativeError, match="cache capacity exceeded"):
+        core.attention(case, cache, q, k, v, length=case.max_context - 1)
+    with pytest.raises(NativeError, match="k_codes has .* elements: expected"):
+        bad = dict(cache, k_codes=np.zeros(cache["k_codes"].size - 1, np.uint8))
+        core.attention(case, bad, q, k, v, length=0)
+    with pytest.raises(NativeError, match="q contains NaN"):
+        q_nan = q.copy()
+        q_nan[0, 0, 0] = np.nan
+        core.attention(case, cache, q_nan, k, v, length=0)
+    with pytest.raises(NativeError, match="kernel=9"):
+        core.attention(case, cache, q, k, v, length=0, kernel=9)
+    for name, a in cache.items():
+        assert same_bits(a, before[name]), f"a failed call changed {name}"
+    with pytest.raises(NativeError, match="cluster_dim=48"):
+        core.quantize_pack(np.zeros((1, 96), np.float32), 2, 48)
+    with pytest.raises(NativeError, match="scale_dtype=float16"):
+        core.quantize_pack(np.full((1, 64), 1e30, np.float32) * np.arange(64, dtype=np.float32), 2, 64)
+
+
+# -- the C++ test executable: native, sanitizers, aarch64 -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def golden_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("golden")
+    return [str(export_for_core_test(golden_case(name), root / name)) for name in GOLDEN]
+
+
+def run_core_test(cmd: list[str], env=None) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-6000:]
+    print(output[-2000:])
+    return output
+
+
+def test_core_test_executable(golden_dirs):
+    build = build_native()
+    out = run_core_test([str(build / CORE_TEST), "--random", "300", *golden_dirs])
+    assert "OK: 0 failure(s)" in out
+
+
+def test_core_under_address_and_ub_sanitizers(golden_dirs):
+    build = build_native(sanitize=True)
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1:abort_on_error=0", UBSAN_OPTIONS="print_stacktrace=1")
+    run_core_test([str(build / CORE_TEST), "--random", "100", *golden_dirs], env=env)
+
+
+QEMU = "qemu-aarch64"
+CROSS = "aarch64-linux-gnu-g++"
+SYSROOT = "/usr/aarch64-linux-gnu"
+
+
+def test_neon_kernels_under_qemu(golden_dirs):
+    missing = [tool for tool in (CROSS, QEMU) if shutil.which(tool) is None]
+    if missing or not os.path.isdir(SYSROOT):
+        pytest.skip(f"{' and '.join(missing) or SYSROOT} missing: install the Debian packages "
+                    "g++-aarch64-linux-gnu qemu-user to test the NEON kernels")
+    build = build_native(target="aarch64")
+    out = run_core_test([QEMU, "-L", SYSROOT, str(build / CORE_TEST), "--random", "100", *golden_dirs])
+    assert "(simd on)" in out  # the NEON kernels ran, not only the scalar fallback
