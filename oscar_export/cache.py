@@ -57,6 +57,20 @@ def bits_per_element(config: OscarConfig, head_dim: int, context: int) -> float:
     return bits / (context * 2 * head_dim)
 
 
+def causal_gqa_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n0: int, scaling: float
+) -> torch.Tensor:
+    """q [Hq, T, D] at positions n0..n0+T-1 over keys/values [Hkv, n0+T, D]: fp32, grouped-query, causal."""
+    group = q.shape[0] // keys.shape[0]
+    keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+    t = q.shape[1]
+    scores = (q.to(torch.float32) @ keys.transpose(-1, -2)) * scaling
+    key_pos = torch.arange(n0 + t, device=q.device)
+    query_pos = torch.arange(n0, n0 + t, device=q.device)
+    scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], -math.inf)
+    return torch.softmax(scores, dim=-1) @ values
+
+
 def _check_rotation(name: str, rot: torch.Tensor | None, layers: int, kv_heads: int, head_dim: int):
     if rot is None:
         return None
@@ -281,17 +295,8 @@ class OscarKVCache:
                 f"with q_heads a multiple of {self.kv_heads}"
             )
         check_finite("q", q)
-        n0, t = self.length[layer], q.shape[1]
-        group = q.shape[0] // self.kv_heads
-        keys, values = (
-            torch.cat([self.stored(kind, layer), chunks[kind].to(torch.float32)], dim=1).repeat_interleave(group, dim=0)
-            for kind in KINDS
-        )
+        keys, values = (torch.cat([self.stored(kind, layer), chunks[kind].to(torch.float32)], dim=1) for kind in KINDS)
         scale = self.head_dim**-0.5 if scaling is None else scaling
-        scores = (self.rotate("k", layer, q) @ keys.transpose(-1, -2)) * scale
-        key_pos = torch.arange(n0 + t, device=self.device)
-        query_pos = torch.arange(n0, n0 + t, device=self.device)
-        scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], -math.inf)
-        out = torch.softmax(scores, dim=-1) @ values
+        out = causal_gqa_attention(self.rotate("k", layer, q), keys, values, self.length[layer], scale)
         self._store(layer, chunks)
         return self.unrotate_values(layer, out)

@@ -81,6 +81,15 @@ def rotations_from(acc: list[ObjectiveAccumulators], per_head: bool) -> dict[str
     return {name: torch.stack(items) for name, items in out.items()}
 
 
+def online_rotations(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online mode: one layer's (R_k, R_v) [D, D] from a prompt's own q [Hq,T,D], k/v [Hkv,T,D]."""
+    acc = ObjectiveAccumulators(k.shape[0], k.shape[-1])
+    acc.add_queries(q.to(torch.float32))
+    acc.add_values(k.to(torch.float32), v.to(torch.float32))
+    rot = rotations_from([acc], per_head=False)
+    return rot["k"][0], rot["v"][0]
+
+
 def _expand(rot: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """[D, D] or [kv_heads, D, D] -> [kv_heads, D, D]."""
     return rot.expand(kv_heads, *rot.shape[-2:]) if rot.dim() == 2 else rot

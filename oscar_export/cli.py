@@ -29,7 +29,6 @@ RUNTIMES = {
     "triton": "triton",
 }
 LATER = {
-    "eval": "quality of the packed cache against the baselines",
     "run": "generate text from an exported artifact",
     "bench": "benchmark the OSCAR attention kernels",
 }
@@ -375,6 +374,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_parity)
 
     add_rotations_command(sub)
+    from .cli_eval import add_eval_command  # cli_eval imports the cache flags from this module
+
+    add_eval_command(sub)
     for name, text in LATER.items():
         p = sub.add_parser(name, help=f"{text} (not available yet)", description=f"{text}: not available yet.")
         p.set_defaults(func=cmd_later)

@@ -33,6 +33,8 @@ Metrics:
    (fraction of the haystack before it) into ``needle_context`` tokens of other evaluation text,
    and repeated at the end. Accuracy is the fraction of the repeat's tokens after its first
    ``needle_prefix`` that greedy next-token prediction gets right under teacher forcing.
+   ``needle_control_accuracy`` is the fp16 accuracy on the same tokens when the haystack does
+   not contain the needle: only accuracy above it is retrieval.
 """
 
 from __future__ import annotations
@@ -40,28 +42,26 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .cache import OscarKVCache
+from .cache import OscarKVCache, causal_gqa_attention
 from .cache import bits_per_element as oscar_bits_per_element
+from .calibrate import online_rotations
 from .capture import collect_qkv
 from .codec import Quantized, dequantize, quantize
 from .config import OscarConfig, OscarInputError
+from .hf_cache import route_attention
 from .progress import progress
 from .rotations import hadamard_rotations
 
 METHODS = ("fp16", "naive", "hadamard", "kivi", "oscar", "online")
 DEFAULT_METHODS = ("fp16", "naive", "hadamard", "kivi", "oscar")
 METRICS = ("perplexity", "attention", "needle")
-EVAL_IMPLEMENTATION = "oscar_eval"
 WINDOW_DTYPE = torch.float16
 FP16_MAX = torch.finfo(torch.float16).max
 # Tokens reserved after the calibration text, so re-tokenizing its decoded form never runs short.
@@ -69,18 +69,6 @@ SPLIT_MARGIN = 16
 
 
 # -- attention over a cache --------------------------------------------------------------------
-
-
-def causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n0: int, scaling: float) -> torch.Tensor:
-    """q [Hq, T, D] at positions n0..n0+T-1 over keys/values [Hkv, n0+T, D]: fp32, grouped-query, causal."""
-    group = q.shape[0] // keys.shape[0]
-    keys = keys.repeat_interleave(group, dim=0)
-    values = values.repeat_interleave(group, dim=0)
-    t = q.shape[1]
-    scores = (q.to(torch.float32) @ keys.transpose(-1, -2)) * scaling
-    mask = torch.arange(n0 + t)[None, :] > torch.arange(n0, n0 + t)[:, None]
-    scores = scores.masked_fill(mask, -math.inf)
-    return torch.softmax(scores, dim=-1) @ values
 
 
 def _check_chunk(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -122,7 +110,7 @@ class Fp16Cache:
         self.k[layer, :, n0:n1] = k.to(self.dtype)
         self.v[layer, :, n0:n1] = v.to(self.dtype)
         scale = self.head_dim**-0.5 if scaling is None else scaling
-        out = causal_attention(q, self.k[layer, :, :n1].float(), self.v[layer, :, :n1].float(), n0, scale)
+        out = causal_gqa_attention(q, self.k[layer, :, :n1].float(), self.v[layer, :, :n1].float(), n0, scale)
         self.length[layer] = n1
         return out
 
@@ -218,7 +206,7 @@ class KiviCache:
         chunk = {"k": k.to(WINDOW_DTYPE), "v": v.to(WINDOW_DTYPE)}
         keys, values = (torch.cat([self.stored(kind, layer), chunk[kind].float()], dim=1) for kind in ("k", "v"))
         scale = self.head_dim**-0.5 if scaling is None else scaling
-        out = causal_attention(q, keys, values, n0, scale)
+        out = causal_gqa_attention(q, keys, values, n0, scale)
         for kind in ("k", "v"):
             self.window[kind][layer, :, n0:n1] = chunk[kind]
         self.length[layer] = n1
@@ -246,13 +234,7 @@ class OnlineOscarKVCache(OscarKVCache):
 
     def attend(self, layer: int, q, k, v, scaling: float | None = None) -> torch.Tensor:
         if self.length[layer] == 0:
-            from .calibrate import ObjectiveAccumulators, rotations_from
-
-            acc = ObjectiveAccumulators(self.kv_heads, self.head_dim)
-            acc.add_queries(q.to(torch.float32))
-            acc.add_values(k.to(torch.float32), v.to(torch.float32))
-            rot = rotations_from([acc], per_head=False)
-            self.set_rotation(layer, rot["k"][0], rot["v"][0])
+            self.set_rotation(layer, *online_rotations(q, k, v))
         return super().attend(layer, q, k, v, scaling)
 
 
@@ -264,35 +246,6 @@ def stored_bits_per_element(cache) -> float:
 
 
 # -- running a model with a cache ----------------------------------------------------------------
-
-_routes: list = []
-
-
-def _routed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    if not _routes:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if query.shape[0] != 1:
-        raise OscarInputError(f"batch size {query.shape[0]}: the evaluation runs one sequence (batch size 1)")
-    out = _routes[-1].attend(module.layer_idx, query[0].float(), key[0].float(), value[0].float(), scaling)
-    # transformers expects [batch, tokens, heads, head_dim]
-    return out.to(query.dtype).transpose(0, 1).unsqueeze(0).contiguous(), None
-
-
-AttentionInterface.register(EVAL_IMPLEMENTATION, _routed_attention)
-
-
-@contextmanager
-def route_attention(model, cache) -> Iterator[None]:
-    """Within the block every attention layer of `model` calls cache.attend(layer, q, k, v, scaling)."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(EVAL_IMPLEMENTATION)
-    _routes.append(cache)
-    try:
-        yield
-    finally:
-        _routes.remove(cache)
-        model.set_attn_implementation(previous)
-
 
 def chunk_bounds(total: int, chunk: int, first: int | None = None) -> list[tuple[int, int]]:
     """[(n0, n1)] covering 0..total: a first chunk of `first` tokens (default `chunk`), then `chunk` each."""
@@ -365,8 +318,12 @@ def _levels_for(levels, bits: int):
     return levels if levels is not None and levels.shape[-1] == 2**bits else None
 
 
-def oscar_from_rotations(rotations, config: OscarConfig, shape, source: str) -> Method:
-    """The `oscar` method from a RotationSet-like object (.k, .v, .k_levels, .v_levels, .metadata)."""
+def oscar_from_rotations(rotations, config: OscarConfig, shape, source: str, label: str | None = None) -> Method:
+    """The `oscar` method from a RotationSet-like object (.k, .v, .k_levels, .v_levels, .metadata).
+
+    Its clip ratios (and codebook, when Lloyd-Max levels for these bits are present) come from the
+    metadata; what the metadata does not give comes from `config`.
+    """
     meta = getattr(rotations, "metadata", None) or {}
     notes = []
     changes = {key: meta[key] for key in ("k_clip", "v_clip") if meta.get(key) is not None}
@@ -385,7 +342,7 @@ def oscar_from_rotations(rotations, config: OscarConfig, shape, source: str) -> 
             notes.append(f"{source} was calibrated for {key}={meta[key]}; evaluated at {getattr(config, key)}")
     cfg = replace(config, **changes)
     return Method("oscar", cfg, _oscar_factory(cfg, shape, rotations.k, rotations.v, k_levels, v_levels),
-                  f"file {source}" if source != "calibration" else "calibrated", notes)
+                  label or f"file {source}", notes)
 
 
 @dataclass
@@ -397,15 +354,53 @@ class _Calibrated:
     metadata: dict
 
 
+def _oscar_method(model, tokenizer, config, shape, rotations, calibration_text, calibration_tokens,
+                  calibration_heldout) -> Method:
+    layers, kv_heads, head_dim, _ = shape
+    if rotations is not None and not isinstance(rotations, (str, Path)):
+        return oscar_from_rotations(rotations, config, shape, "the given rotation set", "given rotation set")
+    if rotations is not None:
+        from .rotation_files import load_rotations
+
+        rs = load_rotations(rotations, layers=layers, head_dim=head_dim, kv_heads=kv_heads)
+        return oscar_from_rotations(rs, config, shape, str(rotations))
+    if calibration_text is None:
+        raise OscarInputError("methods: 'oscar' without rotations needs calibration text")
+    from .calibrate import calibrate
+
+    result = calibrate(model, tokenizer, calibration_text, config, tokens=calibration_tokens,
+                       heldout_tokens=calibration_heldout, lloyd_max=config.codebook == "lloyd-max",
+                       text_name="calibration part of the evaluation text")
+    meta = {"k_clip": result["k_clip"], "v_clip": result["v_clip"], "codebook": config.codebook}
+    calibrated = _Calibrated(result["k_rotation"], result["v_rotation"], result.get("k_levels"),
+                             result.get("v_levels"), meta)
+    return oscar_from_rotations(calibrated, config, shape, "calibration", "calibrated")
+
+
 def build_methods(model, tokenizer, names: Sequence[str], config: OscarConfig, rotations=None,
                   calibration_text: str | None = None, calibration_tokens: int = 4096,
-                  calibration_heldout: int = 512) -> list[Method]:
-    """Method objects for `names`. Baselines use `config` with the uniform codebook; `oscar` takes
-    its clip ratios (and Lloyd-Max levels) from the rotation file or the calibration."""
+                  calibration_heldout: int = 512, match_clip: bool = False) -> list[Method]:
+    """Method objects for `names`, in that order.
+
+    Baselines use `config` with the uniform codebook; `oscar` takes its clip ratios (and Lloyd-Max
+    levels) from the rotation file or the calibration. match_clip: the quantized baselines use
+    oscar's clip ratios too, so only the rotation (or KIVI's grouping) differs.
+    """
     shape = model_shape(model)
     layers, kv_heads, head_dim, _ = shape
     config.check_head_dim(head_dim)
+    unknown = [name for name in names if name not in METHODS]
+    if unknown:
+        raise OscarInputError(f"methods: unknown method {unknown[0]!r}; expected a subset of {list(METHODS)}")
+    oscar = None
+    if "oscar" in names:
+        oscar = _oscar_method(model, tokenizer, config, shape, rotations, calibration_text, calibration_tokens,
+                              calibration_heldout)
     base = replace(config, codebook="uniform")
+    if match_clip:
+        if oscar is None:
+            raise OscarInputError("match_clip: expected 'oscar' among the methods (its clip ratios are matched)")
+        base = replace(base, k_clip=oscar.config.k_clip, v_clip=oscar.config.v_clip)
     methods = []
     for name in names:
         if name == "fp16":
@@ -421,28 +416,8 @@ def build_methods(model, tokenizer, names: Sequence[str], config: OscarConfig, r
         elif name == "online":
             methods.append(Method(name, base, _oscar_factory(base, shape, cls=OnlineOscarKVCache),
                                   "online (from each sequence's first chunk)"))
-        elif name == "oscar":
-            if rotations is not None and not isinstance(rotations, (str, Path)):
-                methods.append(oscar_from_rotations(rotations, config, shape, "the given rotation set"))
-            elif rotations is not None:
-                from .rotation_files import load_rotations
-
-                rs = load_rotations(rotations, layers=layers, head_dim=head_dim, kv_heads=kv_heads)
-                methods.append(oscar_from_rotations(rs, config, shape, str(rotations)))
-            else:
-                if calibration_text is None:
-                    raise OscarInputError("methods: 'oscar' without rotations needs calibration text")
-                from .calibrate import calibrate
-
-                result = calibrate(model, tokenizer, calibration_text, config, tokens=calibration_tokens,
-                                   heldout_tokens=calibration_heldout, lloyd_max=config.codebook == "lloyd-max",
-                                   text_name="calibration part of the evaluation text")
-                meta = {"k_clip": result["k_clip"], "v_clip": result["v_clip"], "codebook": config.codebook}
-                calibrated = _Calibrated(result["k_rotation"], result["v_rotation"], result.get("k_levels"),
-                                         result.get("v_levels"), meta)
-                methods.append(oscar_from_rotations(calibrated, config, shape, "calibration"))
         else:
-            raise OscarInputError(f"methods: unknown method {name!r}; expected a subset of {list(METHODS)}")
+            methods.append(oscar)
     return methods
 
 
@@ -494,39 +469,46 @@ def window_nll(model, ids: torch.Tensor, cache, chunk: int, first: int | None) -
 @dataclass
 class NeedleCase:
     ids: torch.Tensor  # haystack with the needle inserted, then the needle repeated
-    depth: float
+    depth: float | None  # None: the control, haystack without the needle, then the needle
     seed: int
     answer_from: int  # first position of the repeat that is scored
 
 
 def needle_cases(ids: torch.Tensor, context: int, needle_tokens: int, prefix: int,
-                 depths: Sequence[float], seeds: int) -> list[NeedleCase]:
+                 depths: Sequence[float], seeds: int, control: bool = False) -> list[NeedleCase]:
     """Haystack of `context` tokens and a needle of `needle_tokens` from disjoint spans of `ids`
-    (chosen per seed), needle inserted at each depth and repeated at the end."""
+    (drawn per seed), the needle inserted at each depth and repeated at the end.
+
+    control=True gives one case per seed instead: the same haystack continued for
+    `needle_tokens` more tokens in place of the needle, then the needle: what the model
+    predicts of the needle without having seen it (the accuracy that is not retrieval).
+    """
     if not 0 < prefix < needle_tokens:
         raise OscarInputError(f"needle_prefix={prefix}: expected 0 < needle_prefix < needle_tokens={needle_tokens}")
-    n = ids.shape[0]
-    if n < context + 2 * needle_tokens:
+    n, span = ids.shape[0], context + needle_tokens
+    if n < span + needle_tokens:
         raise OscarInputError(
             f"evaluation text has {n} tokens: expected at least needle_context + 2 * needle_tokens = "
-            f"{context + 2 * needle_tokens}"
+            f"{span + needle_tokens}"
         )
+    for depth in depths:
+        if not 0.0 <= depth <= 1.0:
+            raise OscarInputError(f"needle depth {depth}: expected a fraction 0 <= depth <= 1")
     cases = []
     for seed in range(seeds):
         rng = random.Random(seed)
-        h0 = rng.randrange(0, n - context + 1)
-        free = [s for s in (range(0, h0 - needle_tokens + 1), range(h0 + context, n - needle_tokens + 1)) if len(s)]
-        if not free:  # the haystack covers the text: take the needle right after it
-            raise OscarInputError(f"evaluation text has {n} tokens: too short for a needle outside the haystack")
-        span = rng.choice(free)
-        s0 = rng.choice(span)
-        hay, needle = ids[h0 : h0 + context], ids[s0 : s0 + needle_tokens]
+        h0 = rng.randrange(0, n - span + 1)
+        free = [r for r in (range(0, h0 - needle_tokens + 1), range(h0 + span, n - needle_tokens + 1)) if len(r)]
+        s0 = rng.choice(rng.choice(free))
+        hay, needle = ids[h0 : h0 + span], ids[s0 : s0 + needle_tokens]
+        answer_from = span + prefix
+        if control:
+            cases.append(NeedleCase(torch.cat([hay, needle]), None, seed, answer_from))
+            continue
         for depth in depths:
-            if not 0.0 <= depth <= 1.0:
-                raise OscarInputError(f"needle depth {depth}: expected a fraction 0 <= depth <= 1")
             pos = round(depth * context)
-            seq = torch.cat([hay[:pos], needle, hay[pos:], needle])
-            cases.append(NeedleCase(seq, depth, seed, context + needle_tokens + prefix))
+            seq = torch.cat([hay[:pos], needle, hay[pos:context], needle])
+            cases.append(NeedleCase(seq, depth, seed, answer_from))
     return cases
 
 
@@ -553,7 +535,8 @@ def needle_accuracy(model, case: NeedleCase, cache, chunk: int, first: int | Non
 def _text_tokens(tokenizer, text_path: Path, reserve: int) -> tuple[str, torch.Tensor]:
     if not text_path.is_file():
         raise OscarInputError(f"text file {str(text_path)!r} does not exist: expected a UTF-8 text file")
-    ids = tokenizer(text_path.read_text(encoding="utf-8", errors="replace"))["input_ids"]
+    # verbose=False: a long text is expected here, it is cut into windows
+    ids = tokenizer(text_path.read_text(encoding="utf-8", errors="replace"), verbose=False)["input_ids"]
     if len(ids) <= reserve:
         raise OscarInputError(
             f"text file {str(text_path)!r} has {len(ids)} tokens: expected more than the {reserve} reserved for calibration"
@@ -586,9 +569,10 @@ def evaluate(
     needle_tokens: int = 24,
     needle_prefix: int = 8,
     needle_depths: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9),
-    needle_seeds: int = 3,
+    needle_seeds: int = 2,
     calibration_tokens: int = 4096,
     calibration_heldout: int = 512,
+    match_clip: bool = False,
     model=None,
     tokenizer=None,
 ) -> dict:
@@ -599,6 +583,8 @@ def evaluate(
     contexts: perplexity context lengths; ppl_tokens: tokens of text per context length (as many
     whole windows as fit, at least one). prefill: first chunk (default sink + recent, which only
     ever reads fp16, so it changes nothing but gives `online` a prompt to estimate from).
+    match_clip: the quantized baselines use oscar's clip ratios (default: the config's, 1.0 unless set),
+    so the comparison isolates the rotation from the clipping.
     model/tokenizer: an already loaded model (then model_name_or_path only names it).
     """
     started = time.perf_counter()
@@ -656,7 +642,7 @@ def evaluate(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     specs = build_methods(model, tokenizer, methods, config, rotations, calibration_text,
-                          calibration_tokens, calibration_heldout)
+                          calibration_tokens, calibration_heldout, match_clip)
     timings["methods_and_calibration"] = time.perf_counter() - t0
     results = {
         m.name: {
@@ -675,7 +661,7 @@ def evaluate(
         for m in specs
     }
 
-    windows = {}
+    windows, needle_control = {}, None
     if "perplexity" in metrics:
         t0 = time.perf_counter()
         for c in contexts:
@@ -723,7 +709,15 @@ def evaluate(
         acc = {(m.name, d): [] for m in specs for d in needle_depths}
         work = [(m, case) for m in specs for case in cases]
         for m, case in progress(work, f"needle retrieval ({len(work)} runs)"):
-            acc[(m.name, case.depth)].append(needle_accuracy(model, case, m.make(case.ids.shape[0]), chunk, first))
+            cache = m.make(case.ids.shape[0])
+            acc[(m.name, case.depth)].append(needle_accuracy(model, case, cache, chunk, first))
+            if not results[m.name]["bits_per_element_by_context"]:
+                results[m.name]["bits_per_element_by_context"][str(case.ids.shape[0])] = stored_bits_per_element(cache)
+        control = [
+            needle_accuracy(model, case, Fp16Cache(layers, kv_heads, head_dim, case.ids.shape[0]), chunk, first)
+            for case in needle_cases(ids, needle_context, needle_tokens, needle_prefix, (), needle_seeds, True)
+        ]
+        needle_control = sum(control) / len(control)
         for m in specs:
             by_depth = {str(d): sum(acc[(m.name, d)]) / len(acc[(m.name, d)]) for d in needle_depths}
             results[m.name]["needle_by_depth"] = by_depth
@@ -759,8 +753,11 @@ def evaluate(
             "needle_prefix": needle_prefix,
             "needle_depths": list(needle_depths),
             "needle_seeds": needle_seeds,
+            "match_clip": match_clip,
         },
         "methods": results,
+        # fp16 accuracy on the needle's tokens when the haystack does not contain it: what is not retrieval
+        "needle_control_accuracy": needle_control,
         "runtime_s": timings,
     }
 
@@ -801,6 +798,9 @@ def print_table(result: dict, console=None) -> None:
             _fmt(r["needle_accuracy"], ".3f"),
         )
     console.print(table)
+    if result.get("needle_control_accuracy") is not None:
+        console.print(f"needle control (fp16, needle not in the haystack): {result['needle_control_accuracy']:.3f} "
+                      "accuracy; only the excess over it is retrieval")
     for name, r in result["methods"].items():
         for note in r["notes"]:
             console.print(f"[yellow]note ({name}):[/yellow] {note}")
@@ -829,6 +829,12 @@ def plot(result: dict, path: str | Path) -> Path:
         if r["needle_by_depth"]:
             xs = sorted(r["needle_by_depth"], key=float)
             ax_needle.plot([float(x) for x in xs], [r["needle_by_depth"][x] for x in xs], marker="o", label=label)
+    if result.get("needle_control_accuracy") is not None:
+        ax_needle.axhline(result["needle_control_accuracy"], color="gray", linestyle="--", label="control (no needle)")
+    contexts = sorted({int(c) for r in result["methods"].values() for c in r["perplexity_by_context"]})
+    if contexts:
+        ax_ppl.set_xticks(contexts)
+    ax_err.xaxis.get_major_locator().set_params(integer=True)
     ax_ppl.set(title="perplexity by context", xlabel="context (tokens)", ylabel="perplexity")
     ax_err.set(title="decode attention-output relative error", xlabel="layer", ylabel="relative error", yscale="log")
     ax_needle.set(title="needle retrieval accuracy", xlabel="needle depth", ylabel="accuracy", ylim=(-0.02, 1.02))

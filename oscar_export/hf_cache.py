@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .cache import OscarKVCache
-from .calibrate import ObjectiveAccumulators, rotations_from
+from .calibrate import online_rotations
 from .config import OscarConfig, OscarInputError
 from .rotations import hadamard_rotations
 
@@ -132,11 +132,7 @@ class OscarCache(Cache):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling) -> torch.Tensor:
         if self.online and self.kv.length[layer] == 0:
             # Online mode: the prompt's own Q/K/V estimate this layer's rotations, then they are frozen.
-            acc = ObjectiveAccumulators(self.kv.kv_heads, self.kv.head_dim)
-            acc.add_queries(q)
-            acc.add_values(k, v)
-            rot = rotations_from([acc], per_head=False)
-            self.kv.set_rotation(layer, rot["k"][0], rot["v"][0])
+            self.kv.set_rotation(layer, *online_rotations(q, k, v))
         if self.backend == "triton" and q.shape[1] == 1:
             out = self._triton.triton_decode_attend(self.kv, layer, q, k, v, scaling, append="triton")
         else:

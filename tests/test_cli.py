@@ -66,7 +66,7 @@ def test_info_json():
     assert set(info["runtimes"]) >= {"onnxruntime", "executorch", "coremltools", "triton"}
 
 
-@pytest.mark.parametrize("command", ["plan", "info", "report", *LATER])
+@pytest.mark.parametrize("command", ["plan", "info", "report", "calibrate", "eval", "parity", "rotations", *LATER])
 def test_help_on_every_command(command):
     r = run(command, "--help")
     assert r.returncode == 0 and "usage: oscar-export" in r.stdout
@@ -76,3 +76,15 @@ def test_help_on_every_command(command):
 def test_later_commands_say_so_cleanly(args):
     r = run(*args)
     assert r.returncode == 2 and "not available yet" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_calibrate_writes_a_checked_rotation_file(tmp_path):
+    out = tmp_path / "rot.safetensors"
+    r = run("calibrate", "--out", str(out), "--tokens", "1024", "--heldout-tokens", "256", "--lloyd-max", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["layers"] == 4
+    r = run("rotations", "check", str(out), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["head_dim"] == 64 and report["max_orthogonality_error"] < 1e-5
+    assert report["metadata"]["codebook"] == "lloyd-max"

@@ -1,0 +1,123 @@
+"""`oscar-export eval`: quality of the packed cache against the baselines at the same bit budget.
+
+cli.py wires it in with `add_eval_command(subparsers)`; the command's function raises
+OscarInputError for bad input, which the CLI's main turns into a one-line error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .cli import add_cache_flags, config_from_args
+from .config import OscarInputError
+from .evaluate import DEFAULT_METHODS, METHODS, METRICS
+
+
+def _names(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in allowed]
+    if not names or bad or len(set(names)) != len(names):
+        raise OscarInputError(f"{flag}={text!r}: expected distinct comma-separated names from {','.join(allowed)}")
+    return names
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise OscarInputError(f"{flag}={text!r}: expected comma-separated positive integers, e.g. 512,1024,2048")
+    return values
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        values = [float(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        values = []
+    if not values or any(not 0.0 <= v <= 1.0 for v in values):
+        raise OscarInputError(f"{flag}={text!r}: expected comma-separated fractions in [0, 1], e.g. 0.1,0.5,0.9")
+    return values
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from .evaluate import evaluate, plot, print_table
+
+    result = evaluate(
+        args.model,
+        methods=_names(args.methods, METHODS, "--methods"),
+        bits=None,  # --bits/--k-bits/--v-bits are in the config
+        config=config_from_args(args),
+        rotations=args.rotations,
+        contexts=_ints(args.contexts, "--contexts"),
+        text=args.text,
+        metrics=_names(args.metrics, METRICS, "--metrics"),
+        chunk=args.chunk,
+        ppl_tokens=args.ppl_tokens,
+        attn_tokens=args.attn_tokens,
+        needle_context=args.needle_context,
+        needle_depths=_floats(args.needle_depths, "--needle-depths"),
+        needle_seeds=args.needle_seeds,
+        calibration_tokens=args.calibration_tokens,
+        match_clip=args.match_clip,
+    )
+    if args.plot:
+        plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result)
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: expected a positive integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not positive: expected a positive integer")
+    return value
+
+
+def add_eval_command(subparsers) -> argparse.ArgumentParser:
+    """Register `eval` on the CLI's subparsers; returns the new parser."""
+    p = subparsers.add_parser(
+        "eval",
+        help="quality of the packed cache against the baselines",
+        description="Perplexity at several context lengths, decode attention-output error per layer and needle "
+                    "retrieval, for fp16, naive INT, Hadamard, KIVI, OSCAR (and online OSCAR) caches with the same "
+                    "sink and recent windows. The first part of the text is reserved for calibration and never "
+                    "evaluated.",
+    )
+    p.add_argument("--model", default="bundled", help="'bundled' or a local HF checkpoint directory")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
+                   help=f"comma-separated, from {','.join(METHODS)} (default %(default)s)")
+    p.add_argument("--rotations", type=Path,
+                   help="rotation file for 'oscar' (default: calibrate on the reserved first part of the text)")
+    p.add_argument("--text", type=Path, help="UTF-8 evaluation text (default: the bundled held-out text)")
+    p.add_argument("--metrics", default=",".join(METRICS), help="comma-separated subset of %(default)s")
+    p.add_argument("--contexts", default="512,1024,2048", help="perplexity context lengths (default %(default)s)")
+    p.add_argument("--ppl-tokens", type=_positive, default=4096,
+                   help="tokens of text per context length (whole windows, at least one; default %(default)s)")
+    p.add_argument("--chunk", type=_positive, default=64, help="tokens per forward chunk (default %(default)s)")
+    p.add_argument("--attn-tokens", type=_positive, default=1024,
+                   help="tokens captured for the attention error (default %(default)s)")
+    p.add_argument("--needle-context", type=_positive, default=1024,
+                   help="haystack tokens of the needle task (default %(default)s)")
+    p.add_argument("--needle-depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths (default %(default)s)")
+    p.add_argument("--needle-seeds", type=_positive, default=2, help="haystack/needle draws (default %(default)s)")
+    p.add_argument("--calibration-tokens", type=_positive, default=4096,
+                   help="tokens for on-the-fly calibration of 'oscar' (default %(default)s)")
+    p.add_argument("--match-clip", action="store_true",
+                   help="give naive, hadamard, kivi and online the clip ratios oscar uses (default: the cache flags')")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--plot", type=Path, help="write a PNG with the three panels")
+    add_cache_flags(p)
+    p.set_defaults(func=cmd_eval)
+    return p
