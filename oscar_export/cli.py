@@ -28,12 +28,9 @@ RUNTIMES = {
     "coremltools": "coremltools",
     "triton": "triton",
 }
-LATER = {
-    "run": "generate text from an exported artifact",
-    "bench": "benchmark the OSCAR attention kernels",
-}
 
-out = Console()
+# Piped output (CI logs, files) gets room for the wide tables instead of the 80-column default.
+out = Console(width=None if sys.stdout.isatty() else 132)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -71,19 +68,25 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="bits per V code (overrides --bits)")
     g.add_argument("--cluster-dim", type=int, choices=SUPPORTED_CLUSTER_DIMS, default=defaults.cluster_dim,
                    help="quantization group along head_dim (default %(default)s)")
-    g.add_argument("--k-clip", type=float, default=defaults.k_clip, help="fraction of each K group's range kept")
-    g.add_argument("--v-clip", type=float, default=defaults.v_clip, help="fraction of each V group's range kept")
+    g.add_argument("--k-clip", type=float,
+                   help=f"fraction of each K group's range kept (default: a rotation file's, else {defaults.k_clip})")
+    g.add_argument("--v-clip", type=float,
+                   help=f"fraction of each V group's range kept (default: a rotation file's, else {defaults.v_clip})")
     g.add_argument("--sink", type=_count, default=defaults.sink, help="fp16 sink tokens (default %(default)s)")
     g.add_argument("--recent", type=_count, default=defaults.recent, help="fp16 recent window (default %(default)s)")
 
 
-def config_from_args(args: argparse.Namespace) -> OscarConfig:
+def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = None) -> OscarConfig:
+    """The cache flags; clip ratios and codebook a calibrated rotation file carries apply unless overridden."""
+    meta = rotation_metadata or {}
+    defaults = OscarConfig()
     return OscarConfig(
         k_bits=args.k_bits or args.bits,
         v_bits=args.v_bits or args.bits,
         cluster_dim=args.cluster_dim,
-        k_clip=args.k_clip,
-        v_clip=args.v_clip,
+        k_clip=args.k_clip if args.k_clip is not None else meta.get("k_clip") or defaults.k_clip,
+        v_clip=args.v_clip if args.v_clip is not None else meta.get("v_clip") or defaults.v_clip,
+        codebook=meta.get("codebook") or defaults.codebook,
         sink=args.sink,
         recent=args.recent,
     )
@@ -150,6 +153,9 @@ def _installed(dist: str) -> str | None:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from .models import BUNDLED_MODEL_DIR
+    from .native import ORT_LIBRARY, ROOT
+
+    native_build = ROOT / "build" / "native"
 
     versions = {name: _installed(dist) for name, dist in RUNTIMES.items()}
     runtimes = {name: v is not None and importlib.util.find_spec(name) is not None for name, v in versions.items()}
@@ -160,9 +166,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         "bundled_model_present": (BUNDLED_MODEL_DIR / "model.safetensors").is_file(),
         "runtimes": runtimes,
         "versions": versions,
-        # Native op libraries arrive with the ONNX Runtime and ExecuTorch targets.
-        "native_op_libraries": {"onnxruntime": False, "executorch": False},
-        "targets": {target: False for target in TARGETS},
+        # Built by the set-up (or on first use); ExecuTorch kernels arrive with the android target.
+        "native_op_libraries": {"onnxruntime": (native_build / ORT_LIBRARY).is_file(), "executorch": False},
+        "targets": {target: target == "laptop" for target in TARGETS},
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -270,9 +276,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 def cmd_parity(args: argparse.Namespace) -> int:
     import torch
 
-    if not torch.cuda.is_available():
-        # Without a GPU the Triton kernels run through the interpreter (set before triton loads).
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     from .models import load_model
     from .parity import run_parity
     from .report import read_tokens
@@ -280,29 +283,30 @@ def cmd_parity(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     if torch.cuda.is_available():
         model = model.cuda()
+    rotations, metadata = args.rotations, None
+    if rotations not in ("hadamard", "online", "none"):
+        from .rotation_files import load_rotations
+
+        rotations = load_rotations(rotations)
+        metadata = rotations.metadata
     prompt = read_tokens(tokenizer, args.text, args.prompt_tokens).to(model.device)
-    report = run_parity(model, prompt, args.steps, config_from_args(args), rotations=args.rotations)
+    report = run_parity(model, prompt, args.steps, config_from_args(args, metadata), rotations=rotations)
     if args.json:
         print(json.dumps({**report, "model": args.model}, indent=2))
     else:
         table = Table(title=f"Parity on {args.model}: {args.prompt_tokens}-token prompt, {args.steps} greedy steps, "
                             f"rotations {args.rotations}")
-        for col in ("runtime", "how", "codes mismatch", "windows/scales/zeros", "attn max rel err",
+        for col in ("runtime", "codes mismatch", "windows/scales/zeros", "attn max rel err",
                     "attn mean rel err", "logits max rel err", "tokens", "verdict"):
             table.add_column(col)
         for name, r in report["runtimes"].items():
-            table.add_row(name, r["how"], f"{r['codes_mismatch_fraction']:.2e} ({r['codes_mismatched']})",
+            table.add_row(f"{name} ({r['how']})", f"{r['codes_mismatch_fraction']:.2e} ({r['codes_mismatched']})",
                           "exact" if r["windows_scales_zeros_exact"] else "DIFFER",
                           f"{r['max_rel_error']:.2e}", f"{r['mean_rel_error']:.2e}",
                           f"{r['logits_max_rel_error']:.2e}", "match" if r["tokens_match"] else "DIFFER",
                           "ok" if r["ok"] else "FAIL")
         out.print(table)
     return 0 if report["ok"] else 1
-
-
-def cmd_later(args: argparse.Namespace) -> int:
-    print(f"oscar-export {args.command}: not available yet in this version ({LATER[args.command]})", file=sys.stderr)
-    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -377,9 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_eval import add_eval_command  # cli_eval imports the cache flags from this module
 
     add_eval_command(sub)
-    for name, text in LATER.items():
-        p = sub.add_parser(name, help=f"{text} (not available yet)", description=f"{text}: not available yet.")
-        p.set_defaults(func=cmd_later)
+    from .cli_laptop import add_laptop_commands  # run and bench: the ONNX Runtime (laptop) target
+
+    add_laptop_commands(sub)
     return parser
 
 
@@ -392,15 +396,21 @@ def _quiet_third_party_logs() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_third_party_logs()
+    import torch
+
+    if not torch.cuda.is_available():
+        # Without a GPU, Triton kernels run through the interpreter; the flag must be set before
+        # triton is first imported (transformers may import it through torchao).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    argv = sys.argv[1:] if argv is None else argv
+    if any(arg.split("=")[0] == "--target" for arg in argv):
+        from .cli_laptop import export_target  # export has its own flags (--model, --out, ...)
+
+        return export_target(argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if args.command in LATER:
-        return cmd_later(args)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.target:
-        print(f"oscar-export --target {args.target}: export is not available yet in this version", file=sys.stderr)
-        return 2
     if args.command is None:
         parser.print_help()
         return 0

@@ -31,3 +31,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   .venv/bin/python -m pip install -q -e ".[dev]"
   echo "$WANT" > "$STAMP"
 fi
+
+# Native kernels (C++ core, ONNX Runtime op library): CMake, idempotent and fast when up to date.
+.venv/bin/python -c "from oscar_export.native import build_native; build_native()" \
+  || echo "warning: native kernels not built (see the message above); the ONNX Runtime target needs them" >&2

@@ -1,0 +1,287 @@
+"""The exportable graph: a Hugging Face causal LM as one module over the packed OSCAR cache.
+
+OscarCausalLM.forward(input_ids [1, T], length int64[1], *cache) runs a chunk of T tokens at
+positions length .. length+T-1 (a prefill chunk, or T = 1 for a decode step) and returns the
+logits. Attention is one custom op per layer, `oscar::attention`, with the inputs of the ONNX
+Runtime op OscarAttention (docs/onnx_ops.md). Its reference implementation is OscarKVCache.attend
+wrapped around the given buffers, so eager runs of this module are the reference math.
+
+K is rotated after RoPE by a plain matmul on q and k; the V rotation is folded into v_proj and
+R_v^T into o_proj, so values cost nothing extra at run time.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.models.llama.modeling_llama import rotate_half
+
+from ..cache import KINDS, OscarKVCache, _check_rotation, capacities
+from ..codec import packed_bytes, uniform_levels
+from ..config import OscarConfig, OscarInputError
+from ..hf_cache import _model_shape, _resolve_rotations
+from ..rotations import hadamard_rotations
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# One layer's cache buffers, in the op's input order (after q, k_new, v_new).
+CACHE_NAMES = ("k_sink", "v_sink", "k_recent", "v_recent", "k_codes", "k_scale", "k_zero",
+               "v_codes", "v_scale", "v_zero")
+ATTRIBUTES = ("k_bits", "v_bits", "cluster_dim", "sink", "recent", "k_clip", "v_clip", "scaling")
+
+# -- the custom op ------------------------------------------------------------------------------
+
+_ATTRS = "int k_bits, int v_bits, int cluster_dim, int sink, int recent, float k_clip, float v_clip, float scaling"
+_MUTABLE = ", ".join(f"Tensor({chr(ord('a') + i)}!) {name}" for i, name in enumerate(CACHE_NAMES))
+_PLAIN = ", ".join(f"Tensor {name}" for name in CACHE_NAMES)
+
+
+def _schema(cache: str) -> str:
+    return f"Tensor q, Tensor k_new, Tensor v_new, {cache}, Tensor k_levels, Tensor v_levels, Tensor length, {_ATTRS}"
+
+
+_lib = torch.library.Library("oscar", "DEF")
+# Updates the cache buffers in place, as the native ONNX Runtime and ExecuTorch kernels do.
+_lib.define(f"attention({_schema(_MUTABLE)}) -> Tensor")
+_lib.define(f"attention.out({_schema(_MUTABLE)}, *, Tensor(z!) out) -> Tensor(z!)")
+# The same op with the updated buffers as outputs: what ONNX can express (see onnx_export.py).
+_lib.define(f"attention_functional({_schema(_PLAIN)}) -> (Tensor, {', '.join(['Tensor'] * len(CACHE_NAMES))})")
+
+
+def wrap_cache(cache, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip):
+    """An OscarKVCache of one layer whose storage is the given buffers (written in place)."""
+    given = dict(zip(CACHE_NAMES, cache))
+    kv_heads, head_dim = given["k_sink"].shape[0], given["k_sink"].shape[-1]
+    caps = (given["k_sink"].shape[1], given["k_recent"].shape[1], given["k_codes"].shape[1])
+    config = OscarConfig(k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, k_clip=k_clip, v_clip=v_clip,
+                         codebook="lloyd-max", sink=sink, recent=recent)  # uniform levels are a valid codebook
+    if capacities(config, sum(caps)) != caps:
+        raise OscarInputError(f"cache capacities (sink, recent, body) = {caps}: expected "
+                              f"{capacities(config, sum(caps))} for sink={sink}, recent={recent}")
+    kv = OscarKVCache(config, 1, kv_heads, head_dim, max(sum(caps), 1), k_levels=[k_levels], v_levels=[v_levels],
+                      device=given["k_sink"].device)
+    for kind in KINDS:
+        for region in ("sink", "recent", "codes", "scale", "zero"):
+            name, want = f"{kind}_{region}", getattr(kv, region)[kind]
+            if given[name].shape != want.shape[1:] or given[name].dtype != want.dtype:
+                raise OscarInputError(f"{name} is {given[name].dtype} {tuple(given[name].shape)}: "
+                                      f"expected {want.dtype} {tuple(want.shape[1:])}")
+            getattr(kv, region)[kind] = given[name].unsqueeze(0)  # a view: the op writes the caller's buffer
+    kv.length[0] = int(length.reshape(-1)[0])
+    return kv
+
+
+def _attention(q, k_new, v_new, *args):
+    *cache, k_levels, v_levels, length = args[:13]
+    k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip, scaling = args[13:]
+    kv = wrap_cache(cache, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip)
+    return kv.attend(0, q, k_new, v_new, scaling)
+
+
+def _attention_out(*args, out):
+    return out.copy_(_attention(*args))
+
+
+def _attention_functional(q, k_new, v_new, *args):
+    cache = [t.clone() for t in args[: len(CACHE_NAMES)]]
+    out = _attention(q, k_new, v_new, *cache, *args[len(CACHE_NAMES):])
+    return (out, *cache)
+
+
+_lib.impl("attention", _attention, "CompositeExplicitAutograd")
+_lib.impl("attention.out", _attention_out, "CompositeExplicitAutograd")
+_lib.impl("attention_functional", _attention_functional, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("oscar::attention")
+def _(q, *args):
+    return q.new_empty(q.shape)
+
+
+@torch.library.register_fake("oscar::attention.out")
+def _(*args, out):
+    return out
+
+
+@torch.library.register_fake("oscar::attention_functional")
+def _(q, k_new, v_new, *args):
+    return (q.new_empty(q.shape), *(t.new_empty(t.shape) for t in args[: len(CACHE_NAMES)]))
+
+
+# -- the model ----------------------------------------------------------------------------------
+
+
+def _fold_v(v_proj: nn.Linear, rot: torch.Tensor) -> nn.Linear:
+    """v_proj whose output per KV head h is v_h @ R_h: weight rows of head h become R_h^T W_h."""
+    heads, d, _ = rot.shape
+    w = v_proj.weight.detach().double().reshape(heads, d, -1)
+    folded = nn.Linear(v_proj.in_features, v_proj.out_features, bias=v_proj.bias is not None)
+    folded.weight.data = (rot.double().transpose(1, 2) @ w).reshape_as(v_proj.weight).to(v_proj.weight.dtype)
+    if v_proj.bias is not None:
+        b = v_proj.bias.detach().double().reshape(heads, 1, d)
+        folded.bias.data = (b @ rot.double()).reshape_as(v_proj.bias).to(v_proj.bias.dtype)
+    return folded
+
+
+def _fold_o(o_proj: nn.Linear, rot_per_q_head: torch.Tensor) -> nn.Linear:
+    """o_proj reading rotated attention outputs: columns of query head h become W_h @ R_v(h)."""
+    heads, d, _ = rot_per_q_head.shape
+    w = o_proj.weight.detach().double().reshape(o_proj.out_features, heads, 1, d)
+    folded = nn.Linear(o_proj.in_features, o_proj.out_features, bias=o_proj.bias is not None)
+    folded.weight.data = (w @ rot_per_q_head.double()).reshape_as(o_proj.weight).to(o_proj.weight.dtype)
+    if o_proj.bias is not None:
+        folded.bias.data = o_proj.bias.detach().clone()
+    return folded
+
+
+class OscarDecoderLayer(nn.Module):
+    """One decoder block; its attention goes through oscar::attention over this layer's buffers."""
+
+    def __init__(self, block, config: OscarConfig, k_rot, v_rot, k_levels, v_levels):
+        super().__init__()
+        attn = block.self_attn
+        self.head_dim = attn.head_dim
+        self.input_layernorm, self.post_attention_layernorm = block.input_layernorm, block.post_attention_layernorm
+        self.mlp, self.q_proj, self.k_proj = block.mlp, attn.q_proj, attn.k_proj
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
+        self.v_proj, self.o_proj = attn.v_proj, attn.o_proj
+        group = attn.q_proj.out_features // attn.k_proj.out_features
+        self.rotated = k_rot is not None
+        if self.rotated:
+            self.register_buffer("k_rot", k_rot.clone())
+            # Query heads use the K rotation of their KV head, as OscarKVCache.rotate does.
+            self.register_buffer("q_rot", k_rot.repeat_interleave(group, dim=0))
+            self.v_proj = _fold_v(attn.v_proj, v_rot)
+            self.o_proj = _fold_o(attn.o_proj, v_rot.repeat_interleave(group, dim=0))
+        self.register_buffer("k_levels", k_levels.clone())
+        self.register_buffer("v_levels", v_levels.clone())
+        self.attrs = (config.k_bits, config.v_bits, config.cluster_dim, config.sink, config.recent,
+                      float(config.k_clip), float(config.v_clip), float(attn.scaling))
+
+    def forward(self, h, cos, sin, length, cache, functional: bool):
+        t = h.shape[1]
+        x = self.input_layernorm(h)
+        q = self.q_proj(x).view(1, t, -1, self.head_dim)
+        k = self.k_proj(x).view(1, t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = self.v_proj(x).view(1, t, -1, self.head_dim).transpose(1, 2)
+        q = (q * cos) + (rotate_half(q) * sin)
+        k = (k * cos) + (rotate_half(k) * sin)
+        q, k, v = q[0], k[0], v[0]
+        if self.rotated:
+            q, k = q @ self.q_rot, k @ self.k_rot
+        args = (q, k.half(), v.half(), *cache, self.k_levels, self.v_levels, length, *self.attrs)
+        if functional:
+            out, *cache = torch.ops.oscar.attention_functional(*args)
+        else:
+            out = torch.ops.oscar.attention(*args)
+        h = h + self.o_proj(out.transpose(0, 1).reshape(1, t, -1))
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, cache
+
+
+class OscarCausalLM(nn.Module):
+    """forward(input_ids [1, T], length int64[1], *cache) -> logits [1, 1, vocab] of the last position.
+
+    cache: for each layer the ten buffers of CACHE_NAMES (new_cache() allocates them). Default
+    mode updates them in place. functional=True leaves them untouched and returns
+    (logits, *updated buffers) instead: the form ONNX export uses. all_logits=True returns
+    [1, T, vocab].
+    """
+
+    def __init__(self, model, config: OscarConfig, rotations="hadamard", functional: bool = False,
+                 all_logits: bool = False):
+        super().__init__()
+        family = model.config.get_text_config().model_type
+        if family not in FAMILIES:
+            raise OscarInputError(f"model_type={family!r}: expected one of {FAMILIES}")
+        if isinstance(rotations, str) and rotations == "online":
+            raise OscarInputError("rotations='online' estimates rotations from each prompt and cannot be exported: "
+                                  "expected 'hadamard', 'none' or a rotation file (oscar-export calibrate)")
+        if config.scale_dtype != "float16":
+            raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected 'float16', the exported op's format")
+        layers, kv_heads, head_dim = _model_shape(model)
+        config.check_head_dim(head_dim)
+        self.config, self.kv_heads, self.head_dim = config, kv_heads, head_dim
+        self.functional, self.all_logits = functional, all_logits
+
+        resolved = _resolve_rotations(rotations, model)
+        k_rot = v_rot = None
+        if resolved == "hadamard":
+            k_rot = v_rot = hadamard_rotations(layers, head_dim)
+        elif resolved != "none":
+            k_rot, v_rot = resolved.k, resolved.v
+        levels = {kind: uniform_levels(config.bits(kind)).expand(layers, -1) for kind in KINDS}
+        if config.codebook == "lloyd-max":
+            if getattr(resolved, "k_levels", None) is None:
+                raise OscarInputError("codebook='lloyd-max' needs Lloyd-Max levels: expected a rotation file "
+                                      "calibrated with --lloyd-max")
+            levels = {"k": resolved.k_levels, "v": resolved.v_levels}
+        for kind, lv in levels.items():
+            if lv.shape[-1] != 2 ** config.bits(kind):
+                raise OscarInputError(f"{kind}_levels have {lv.shape[-1]} levels: expected {2 ** config.bits(kind)} "
+                                      f"for {kind}_bits={config.bits(kind)}")
+        k_rot = _check_rotation("k_rotation", k_rot, layers, kv_heads, head_dim)
+        v_rot = _check_rotation("v_rotation", v_rot, layers, kv_heads, head_dim)
+
+        text = model.get_decoder()
+        self.embed_tokens, self.norm, self.lm_head = text.embed_tokens, text.norm, model.lm_head
+        self.register_buffer("inv_freq", text.rotary_emb.inv_freq.float().clone())
+        self.rope_scaling = float(text.rotary_emb.attention_scaling)
+        self.layers = nn.ModuleList(
+            OscarDecoderLayer(block, config, None if k_rot is None else k_rot[i], None if v_rot is None else v_rot[i],
+                              levels["k"][i].float(), levels["v"][i].float())
+            for i, block in enumerate(text.layers)
+        )
+
+    def cache_spec(self, max_context: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, shape, dtype) of every cache buffer, layer by layer, in forward's order."""
+        cfg, h, d = self.config, self.kv_heads, self.head_dim
+        s, w, b = capacities(cfg, max_context)
+        g = d // cfg.cluster_dim
+        one = {}
+        for kind in KINDS:
+            one[f"{kind}_sink"] = ((h, s, d), torch.float16)
+            one[f"{kind}_recent"] = ((h, w, d), torch.float16)
+            one[f"{kind}_codes"] = ((h, b, packed_bytes(d, cfg.bits(kind))), torch.uint8)
+            one[f"{kind}_scale"] = ((h, b, g), torch.float16)
+            one[f"{kind}_zero"] = ((h, b, g), torch.float16)
+        return [(f"layer{i}.{name}", *one[name]) for i in range(len(self.layers)) for name in CACHE_NAMES]
+
+    def new_cache(self, max_context: int) -> list[torch.Tensor]:
+        """Zeroed buffers for a sequence of up to max_context tokens (only `length` tokens are ever read)."""
+        return [torch.zeros(shape, dtype=dtype) for _, shape, dtype in self.cache_spec(max_context)]
+
+    def forward(self, input_ids, length, *cache):
+        t = input_ids.shape[1]
+        # RoPE exactly as transformers computes it, at positions length .. length+T-1.
+        freqs = (length + torch.arange(t, device=input_ids.device))[:, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos() * self.rope_scaling, emb.sin() * self.rope_scaling
+        h = self.embed_tokens(input_ids)
+        n = len(CACHE_NAMES)
+        updated = []
+        for i, layer in enumerate(self.layers):
+            h, new = layer(h, cos, sin, length, cache[i * n:(i + 1) * n], self.functional)
+            updated += new
+        # Kept 3-D so lm_head exports as a MatMul, which the 4-bit weight quantizer handles.
+        logits = self.lm_head(self.norm(h if self.all_logits else h[:, -1:]))
+        return (logits, *updated) if self.functional else logits
+
+
+@torch.no_grad()
+def greedy(module: OscarCausalLM, ids: torch.Tensor, max_new_tokens: int, max_context: int) -> list[int]:
+    """Greedy tokens from the module in eager mode (in-place cache): the reference for exported runtimes."""
+    if module.functional:
+        raise OscarInputError("greedy() updates the cache in place: expected a module with functional=False")
+    cache, length = module.new_cache(max_context), torch.zeros(1, dtype=torch.int64)
+    logits, tokens = module(ids, length, *cache), []
+    length += ids.shape[1]
+    for _ in range(max_new_tokens):
+        tokens.append(int(logits[0, -1].argmax()))
+        if len(tokens) == max_new_tokens:
+            break
+        logits = module(torch.tensor([[tokens[-1]]]), length, *cache)
+        length += 1
+    return tokens

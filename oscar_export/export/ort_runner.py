@@ -1,0 +1,107 @@
+"""Run an exported laptop model with ONNX Runtime: prefill the prompt, then decode greedily.
+
+runtime="onnxruntime" loads model.onnx with the native op library. The cache is one set of
+numpy buffers per layer, bound once as OrtValues over their memory: the op appends to them in
+place, so a step copies nothing. runtime="onnx-fallback" loads model_fallback.onnx in a stock
+ONNX Runtime; its graph returns the updated buffers, which are bound as the next run's inputs.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from ..config import OscarInputError
+from .onnx_export import FALLBACK_FILE, MODEL_FILE
+
+RUNTIMES = ("onnxruntime", "onnx-fallback")
+LIBRARY_FILE = "liboscar_ort.so"
+_DTYPES = {"tensor(float16)": np.float16, "tensor(uint8)": np.uint8, "tensor(float)": np.float32}
+
+
+class OrtLM:
+    """One sequence through an exported model; `length` tokens are cached."""
+
+    def __init__(self, directory, runtime: str = "onnxruntime", threads: int = 0, max_chunk: int = 512,
+                 library=None):
+        if runtime not in RUNTIMES:
+            raise OscarInputError(f"runtime={runtime!r}: expected one of {RUNTIMES}")
+        directory = Path(directory)
+        self.native, self.max_chunk = runtime == "onnxruntime", max_chunk
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        if self.native:
+            if library is None:
+                library = directory / LIBRARY_FILE
+                if not library.is_file():
+                    from ..native import ort_library_path
+
+                    library = ort_library_path()
+            options.register_custom_ops_library(str(library))
+        else:
+            print("onnx-fallback: OscarAttention runs as a pure-ONNX function without the native library: slower, "
+                  "and every step copies the whole cache", file=sys.stderr)
+        path = directory / (MODEL_FILE if self.native else FALLBACK_FILE)
+        if not path.is_file():
+            raise OscarInputError(f"artifact {str(directory)!r} has no {path.name}: expected an export directory")
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        cache_inputs = self.session.get_inputs()[2:]
+        self.cache_names = [i.name for i in cache_inputs]
+        # Zeros are fine: the op only reads the `length` tokens it wrote.
+        self.cache = {i.name: np.zeros(i.shape, _DTYPES[i.type]) for i in cache_inputs}
+        first = self.cache_names[0].split(".")[0]
+        self.max_context = sum(self.cache[f"{first}.{region}"].shape[1] for region in ("k_sink", "k_recent", "k_codes"))
+        self.length = 0
+        self.binding = self.session.io_binding()
+        for name, array in self.cache.items():
+            self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+        self._values = None  # fallback: the OrtValues that now hold the cache
+
+    def step(self, ids) -> np.ndarray:
+        """Run one chunk of token ids (at most max_chunk); returns the last position's logits [vocab]."""
+        ids = np.ascontiguousarray(np.asarray(ids, dtype=np.int64).reshape(1, -1))
+        if self.length + ids.shape[1] > self.max_context:
+            raise OscarInputError(f"cache capacity exceeded: {self.length} + {ids.shape[1]} tokens > "
+                                  f"max_context={self.max_context}: expected a shorter prompt or a larger --context")
+        length = np.array([self.length], np.int64)
+        self.binding.bind_cpu_input("input_ids", ids)
+        self.binding.bind_cpu_input("length", length)
+        self.binding.bind_output("logits", "cpu")
+        if not self.native:
+            for name in self.cache_names:
+                self.binding.bind_output(f"{name}.next", "cpu")
+        self.session.run_with_iobinding(self.binding)
+        outputs = self.binding.get_outputs()
+        if not self.native:
+            self._values = outputs[1:]
+            for name, value in zip(self.cache_names, self._values):
+                self.binding.bind_ortvalue_input(name, value)
+        self.length += ids.shape[1]
+        return outputs[0].numpy()[0, -1]
+
+    def prefill(self, ids) -> np.ndarray:
+        ids = list(ids)
+        if not ids:
+            raise OscarInputError("prompt is empty: expected at least one token")
+        for start in range(0, len(ids), self.max_chunk):
+            logits = self.step(ids[start:start + self.max_chunk])
+        return logits
+
+    def generate(self, ids, max_new_tokens: int, eos_token_ids=()) -> list[int]:
+        """Greedy tokens after the prompt, stopping after an EOS token or max_new_tokens."""
+        logits, tokens = self.prefill(ids), []
+        while len(tokens) < max_new_tokens:
+            tokens.append(int(np.argmax(logits)))
+            if tokens[-1] in eos_token_ids or len(tokens) == max_new_tokens:
+                break
+            logits = self.step([tokens[-1]])
+        return tokens
+
+    def cache_arrays(self) -> dict[str, np.ndarray]:
+        """The cache as it is now, by input name (layer{i}.k_codes ...)."""
+        if self.native or self._values is None:
+            return self.cache
+        return {name: value.numpy() for name, value in zip(self.cache_names, self._values)}

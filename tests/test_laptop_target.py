@@ -1,0 +1,215 @@
+"""The laptop target: ONNX export, the ONNX Runtime runner (native op and pure-ONNX fallback), the CLI."""
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from native_cases import GOLDEN, golden_case, random_case, rel_err, same_bits
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper  # noqa: E402
+
+from oscar_export.cli import main  # noqa: E402
+from oscar_export.export.graph import CACHE_NAMES  # noqa: E402
+from oscar_export.export.laptop import export_laptop  # noqa: E402
+from oscar_export.export.onnx_export import DOMAIN, INPUTS, OP, make_fallback  # noqa: E402
+from oscar_export.export.ort_runner import OrtLM  # noqa: E402
+from oscar_export.hf_cache import OscarCache, patch_model_for_kv_quant  # noqa: E402
+from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
+from oscar_export.native import ort_include_dir  # noqa: E402
+
+PROMPT, STEPS, CONTEXT = 100, 64, 200
+WINDOWS = dict(sink=16, recent=32)  # the 100-token prompt puts 52 tokens in the packed body
+CONFIG = dict(k_bits=2, v_bits=2, cluster_dim=64, **WINDOWS)
+
+
+def native_available() -> bool:
+    return shutil.which("cmake") is not None and shutil.which("g++") is not None and ort_include_dir()[0] is not None
+
+
+needs_native = pytest.mark.skipif("not native_available()", reason="liboscar_ort.so needs cmake, g++ and ORT headers")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_threaded():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    _, tokenizer = load_model("bundled")
+    return tokenizer((BUNDLED_MODEL_DIR / "heldout.txt").read_text(), verbose=False)["input_ids"][:PROMPT]
+
+
+@pytest.fixture(scope="module")
+def reference(prompt):
+    """Greedy tokens and the cache after the prompt, from transformers with the reference OscarCache."""
+    model, _ = load_model("bundled")
+    patch_model_for_kv_quant(model, rotations="hadamard", **CONFIG)
+    ids = torch.tensor([prompt])
+    tokens = model.generate(ids, max_new_tokens=STEPS, do_sample=False)[0, PROMPT:].tolist()
+    cache = OscarCache(model, max_context=CONTEXT)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+    return tokens, cache.kv
+
+
+@pytest.fixture(scope="module")
+def float_artifact(tmp_path_factory):
+    if not native_available():
+        pytest.skip("liboscar_ort.so needs cmake, g++ and ORT headers")
+    out = tmp_path_factory.mktemp("laptop") / "float"
+    export_laptop("bundled", out, "hadamard", CONTEXT, float_weights=True, **CONFIG)
+    return out
+
+
+@pytest.mark.parametrize("runtime", ["onnxruntime", "onnx-fallback"])
+def test_greedy_tokens_equal_the_reference(float_artifact, reference, prompt, runtime):
+    tokens = OrtLM(float_artifact, runtime, threads=1).generate(prompt, STEPS)
+    assert tokens == reference[0]
+
+
+@pytest.mark.parametrize("runtime", ["onnxruntime", "onnx-fallback"])
+def test_cache_after_prefill_equals_the_reference(float_artifact, reference, prompt, runtime):
+    lm = OrtLM(float_artifact, runtime, threads=1)
+    lm.prefill(prompt)
+    got, ref = lm.cache_arrays(), reference[1]
+    body = PROMPT - WINDOWS["sink"] - WINDOWS["recent"]
+    for kind in "kv":
+        for region in ("codes", "scale", "zero"):
+            have = np.stack([got[f"layer{i}.{kind}_{region}"][:, :body] for i in range(4)])
+            want = getattr(ref, region)[kind][:, :, :body].numpy()
+            assert same_bits(have, want), f"{kind}_{region}: {int((have != want).sum())} of {have.size} differ"
+        for region in ("sink", "recent"):  # fp16 windows: ONNX Runtime's matmuls round differently
+            have = np.stack([got[f"layer{i}.{kind}_{region}"] for i in range(4)]).astype(np.float32)
+            want = getattr(ref, region)[kind].numpy().astype(np.float32)
+            assert np.allclose(have, want, rtol=2**-10, atol=1e-4), f"{kind}_{region}"
+
+
+def test_graph_layout(float_artifact):
+    model = onnx.load(float_artifact / "model.onnx", load_external_data=False)
+    ops = Counter((n.domain, n.op_type) for n in model.graph.node)
+    assert ops[(DOMAIN, OP)] == 4 and [o.name for o in model.graph.output] == ["logits"]
+    # The op reads its cache buffers straight from graph inputs: the host's buffers are written in place.
+    inputs = {i.name for i in model.graph.input}
+    for node in model.graph.node:
+        if node.op_type == OP:
+            assert all(name in inputs for name in node.input[3:13])
+    fallback = onnx.load(float_artifact / "model_fallback.onnx", load_external_data=False)
+    assert not any(n.domain == DOMAIN and n.op_type == OP for n in fallback.graph.node)
+    assert len(fallback.graph.output) == 1 + 4 * len(CACHE_NAMES) and len(fallback.functions) == 1
+
+
+# -- the fallback function alone: bit-exact with the reference ---------------------------------
+
+
+def fallback_session(case):
+    """One OscarAttentionFunctional node (through make_fallback) for a case's cache layout."""
+    cache = case.empty_cache()
+    types = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+             np.dtype(np.uint8): TensorProto.UINT8}
+    inputs = [helper.make_tensor_value_info(name, types[cache[name].dtype], cache[name].shape) if name in cache
+              else helper.make_tensor_value_info(name, {"q": TensorProto.FLOAT, "length": TensorProto.INT64}.get(
+                  name, TensorProto.FLOAT16), None) for name in INPUTS]
+    cfg = case.config
+    node = helper.make_node(OP, list(INPUTS), ["out"], domain=DOMAIN, k_bits=cfg.k_bits, v_bits=cfg.v_bits,
+                            cluster_dim=cfg.cluster_dim, sink=cfg.sink, recent=cfg.recent, k_clip=cfg.k_clip,
+                            v_clip=cfg.v_clip, scaling=case.scaling)
+    graph = helper.make_graph([node], "one", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
+    model = make_fallback(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
+                                                                  helper.make_opsetid(DOMAIN, 1)]))
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def replay_fallback(case):
+    session, cache, length, worst = fallback_session(case), case.empty_cache(), 0, 0.0
+    for (q, k, v), want in zip(case.chunks, case.outputs):
+        out, *updated = session.run(None, dict(cache, q=q, k_new=k, v_new=v, length=np.array([length], np.int64)))
+        cache.update(zip(CACHE_NAMES, updated))
+        worst, length = max(worst, rel_err(out, want)), length + q.shape[1]
+    return worst, [name for name, want in case.final.items() if not same_bits(cache[name], want)]
+
+
+def test_fallback_function_replays_the_golden_vectors():
+    for name in GOLDEN:
+        worst, differ = replay_fallback(golden_case(name))
+        assert worst <= 1e-4 and not differ, f"{name}: relative error {worst:.3g}, {differ} differ"
+
+
+def test_fallback_function_matches_random_reference_sequences():
+    rng = np.random.default_rng(11)
+    for i in range(40):
+        case = random_case(rng, i)
+        worst, differ = replay_fallback(case)
+        assert worst <= 1e-4 and not differ, f"{case.name} ({case.config}): {worst:.3g}, {differ} differ"
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "oscar_export", *args], capture_output=True, text=True, timeout=600)
+
+
+@needs_native
+def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, capsys):
+    out = tmp_path / "int4"
+    r = cli("--target", "laptop", "--context", str(CONTEXT), "--sink", "16", "--recent", "32", "--out", str(out),
+            "--json")
+    assert r.returncode == 0, r.stderr
+    manifest = json.loads(r.stdout)
+    assert manifest["target"] == "laptop" and manifest["config"]["sink"] == 16 and manifest["plan"]["kv_bytes"] > 0
+    for name, meta in manifest["files"].items():
+        assert hashlib.sha256((out / name).read_bytes()).hexdigest() == meta["sha256"], name
+    assert {"model.onnx", "model.onnx.data", "model_fallback.onnx", "liboscar_ort.so", "tokenizer.json"} <= set(
+        manifest["files"])
+    model = onnx.load(out / "model.onnx", load_external_data=False)
+    assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == 4 * 7 + 1  # every linear and lm_head
+    size = (out / "model.onnx.data").stat().st_size
+    assert size < 0.5 * (float_artifact / "model.onnx.data").stat().st_size
+
+    results = {}
+    for runtime in ("onnxruntime", "onnx-fallback"):  # in-process: a second interpreter start costs ~10 s
+        assert main(["run", "--artifact", str(out), "--prompt", "KING.\nWhat say you", "--max-new-tokens", "16",
+                     "--runtime", runtime, "--json", "--threads", "1"]) == 0
+        captured = capsys.readouterr()
+        results[runtime] = json.loads(captured.out)
+        assert len(results[runtime]["tokens"]) <= 16 and isinstance(results[runtime]["text"], str)
+    assert "slower" in captured.err  # the fallback says so at load
+    assert results["onnxruntime"] == results["onnx-fallback"]
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    (tmp_path / "foreign.txt").write_text("not an artifact")
+    for args, needle in [(["run", "--artifact", str(tmp_path), "--prompt", "x"], "manifest.json"),
+                         (["--target", "laptop", "--out", str(tmp_path)], "not an oscar-export artifact"),
+                         (["--target", "laptop", "--rotations", "online"], "online"),
+                         (["--target", "ios"], "not available yet"),
+                         (["bench", "attention", "--context", "100"], "--context 100")]:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
+
+
+@needs_native
+def test_bench_attention_json(capsys):
+    assert main(["bench", "attention", "--runtime", "onnxruntime", "--context", "1024,2048", "--threads", "1",
+                 "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)["results"]
+    assert [x["context"] for x in results] == [1024, 2048]
+    for x in results:
+        assert x["oscar_ms"] > 0 and x["baseline_ms"] > 0
+        assert x["speedup"] == pytest.approx(x["baseline_ms"] / x["oscar_ms"], rel=1e-2)
