@@ -40,7 +40,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -320,10 +320,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="bundled",
                    help="'bundled', a preset (llama-2-7b, llama-3-8b, qwen2.5-7b, mistral-7b) or a local HF checkpoint")
     p.add_argument("--device-memory", default="8GB", help="device memory, e.g. 8GB (binary units)")
-    p.add_argument("--context", type=_positive_int, default=4096, help="tokens of context (default %(default)s)")
+    p.add_argument("--context", type=positive_int, default=4096, help="tokens of context (default %(default)s)")
     p.add_argument("--weight-bits", type=int, choices=(4, 8, 16), default=4, help="bits of the linear weights")
     p.add_argument("--embedding-bits", type=int, choices=(4, 8, 16), default=16, help="bits of the embedding table")
-    p.add_argument("--weight-group", type=_positive_int, default=32,
+    p.add_argument("--weight-group", type=positive_int, default=32,
                    help="input channels per weight scale/zero (default %(default)s)")
     p.add_argument("--reserve", help="memory kept for OS, runtime and activations (default 20%% of device memory)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -340,7 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "packed cache at 2, 3 and 4 bits on the model's captured K/V.")
     p.add_argument("--model", default="bundled", help="'bundled' or a local HF checkpoint directory")
     p.add_argument("--text", type=Path, help="UTF-8 text to run (default: the bundled held-out text)")
-    p.add_argument("--tokens", type=_positive_int, default=1024, help="tokens of text (default %(default)s)")
+    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens of text (default %(default)s)")
     p.add_argument("--device-memory", default="8GB", help="device memory for the plan (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_cache_flags(p)
@@ -352,8 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="bundled", help="'bundled' or a local HF checkpoint directory")
     p.add_argument("--out", required=True, type=Path, help="rotation file to write (.safetensors)")
     p.add_argument("--text", type=Path, help="UTF-8 calibration text (default: the bundled held-out text)")
-    p.add_argument("--tokens", type=_positive_int, default=16384, help="calibration tokens (default %(default)s)")
-    p.add_argument("--heldout-tokens", type=_positive_int, default=512,
+    p.add_argument("--tokens", type=positive_int, default=16384, help="calibration tokens (default %(default)s)")
+    p.add_argument("--heldout-tokens", type=positive_int, default=512,
                    help="further tokens for the clip search and Lloyd-Max fit (default %(default)s)")
     p.add_argument("--per-head", action="store_true", help="one rotation per (layer, KV head) (format v2)")
     p.add_argument("--lloyd-max", action="store_true", help="fit Lloyd-Max levels per layer for K and V")
@@ -369,8 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Exit code 1 on any mismatch beyond the thresholds in docs/parity.md.")
     p.add_argument("--model", default="bundled", help="'bundled' or a local HF checkpoint directory")
     p.add_argument("--text", type=Path, help="UTF-8 text whose first tokens are the prompt (default: held-out text)")
-    p.add_argument("--prompt-tokens", type=_positive_int, default=400, help="prompt length (default %(default)s)")
-    p.add_argument("--steps", type=_positive_int, default=16, help="greedy steps (default %(default)s)")
+    p.add_argument("--prompt-tokens", type=positive_int, default=400, help="prompt length (default %(default)s)")
+    p.add_argument("--steps", type=positive_int, default=16, help="greedy steps (default %(default)s)")
     p.add_argument("--rotations", default="hadamard",
                    help="hadamard, online, none, or a rotation file (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

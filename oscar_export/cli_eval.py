@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .cli import add_cache_flags, config_from_args
+from .cli import add_cache_flags, config_from_args, positive_int
 from .config import OscarInputError
 from .evaluate import DEFAULT_METHODS, METHODS, METRICS
 
@@ -75,16 +75,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: expected a positive integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} is not positive: expected a positive integer")
-    return value
-
-
 def add_eval_command(subparsers) -> argparse.ArgumentParser:
     """Register `eval` on the CLI's subparsers; returns the new parser."""
     p = subparsers.add_parser(
@@ -103,16 +93,16 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--text", type=Path, help="UTF-8 evaluation text (default: the bundled held-out text)")
     p.add_argument("--metrics", default=",".join(METRICS), help="comma-separated subset of %(default)s")
     p.add_argument("--contexts", default="512,1024,2048", help="perplexity context lengths (default %(default)s)")
-    p.add_argument("--ppl-tokens", type=_positive, default=4096,
+    p.add_argument("--ppl-tokens", type=positive_int, default=4096,
                    help="tokens of text per context length (whole windows, at least one; default %(default)s)")
-    p.add_argument("--chunk", type=_positive, default=64, help="tokens per forward chunk (default %(default)s)")
-    p.add_argument("--attn-tokens", type=_positive, default=1024,
+    p.add_argument("--chunk", type=positive_int, default=64, help="tokens per forward chunk (default %(default)s)")
+    p.add_argument("--attn-tokens", type=positive_int, default=1024,
                    help="tokens captured for the attention error (default %(default)s)")
-    p.add_argument("--needle-context", type=_positive, default=1024,
+    p.add_argument("--needle-context", type=positive_int, default=1024,
                    help="haystack tokens of the needle task (default %(default)s)")
     p.add_argument("--needle-depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths (default %(default)s)")
-    p.add_argument("--needle-seeds", type=_positive, default=2, help="haystack/needle draws (default %(default)s)")
-    p.add_argument("--calibration-tokens", type=_positive, default=4096,
+    p.add_argument("--needle-seeds", type=positive_int, default=2, help="haystack/needle draws (default %(default)s)")
+    p.add_argument("--calibration-tokens", type=positive_int, default=4096,
                    help="tokens for on-the-fly calibration of 'oscar' (default %(default)s)")
     p.add_argument("--match-clip", action="store_true",
                    help="give naive, hadamard, kivi and online the clip ratios oscar uses (default: the cache flags')")

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import TARGETS, _Parser, _positive_int, add_cache_flags
+from .cli import TARGETS, _Parser, positive_int, add_cache_flags
 from .config import OscarInputError
 
 RUN_RUNTIMES = ("onnxruntime", "onnx-fallback", "reference")
@@ -24,7 +24,7 @@ def _export_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", choices=("laptop",), required=True)
     p.add_argument("--model", default="bundled", help="'bundled' or a local Hugging Face checkpoint directory")
     p.add_argument("--rotations", default="hadamard", help="a rotation file, hadamard or none (default %(default)s)")
-    p.add_argument("--context", type=_positive_int,
+    p.add_argument("--context", type=positive_int,
                    help="max tokens of the cache (default: the model's max_position_embeddings, at most 4096)")
     p.add_argument("--out", type=Path, default=Path("oscar-laptop"), help="artifact directory (default %(default)s)")
     p.add_argument("--float-weights", action="store_true", help="keep float weights (default: 4-bit MatMulNBits)")
@@ -107,7 +107,7 @@ def add_laptop_commands(sub) -> None:
                        description="Greedy generation from a --target laptop artifact.")
     p.add_argument("--artifact", required=True, type=Path, help="directory written by --target laptop")
     p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default %(default)s)")
     p.add_argument("--runtime", choices=RUN_RUNTIMES, default="onnxruntime",
                    help="onnxruntime (native op), onnx-fallback (stock ONNX Runtime, slower) or reference "
                         "(transformers with the reference cache; needs the source checkpoint)")
@@ -123,7 +123,7 @@ def add_laptop_commands(sub) -> None:
     p.add_argument("--context", default="4096,32768", help="comma-separated contexts (default %(default)s)")
     p.add_argument("--model", default="bundled", help="model whose attention shape is used: 'bundled', a preset "
                                                       "(llama-3-8b, ...) or a local checkpoint")
-    p.add_argument("--threads", type=_positive_int, help="threads for both (default: every core)")
+    p.add_argument("--threads", type=positive_int, help="threads for both (default: every core)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_cache_flags(p)
     p.set_defaults(func=cmd_bench)
