@@ -197,9 +197,9 @@ class OscarKVCache:
             raise OscarInputError(f"rotated {name} exceeds the fp16 window range ({FP16_MAX:g}): expected smaller values")
         return x_rot.to(WINDOW_DTYPE)
 
-    def _quantize_into_body(self, kind: str, layer: int, first: int, values: torch.Tensor) -> None:
+    def _quantize_into_body(self, kind: str, layer: int, first: int, values: torch.Tensor, quantizer=quantize) -> None:
         cfg = self.config
-        q = quantize(
+        q = quantizer(
             values.to(torch.float32),
             cfg.bits(kind),
             cfg.cluster_dim,
@@ -227,7 +227,8 @@ class OscarKVCache:
         """Store post-RoPE k, v [kv_heads, T, head_dim] at positions length..length+T-1."""
         self._store(layer, self._rotated_chunks(layer, k, v))
 
-    def _store(self, layer: int, chunks: dict[str, torch.Tensor]) -> None:
+    def _store(self, layer: int, chunks: dict[str, torch.Tensor], quantizer=quantize) -> None:
+        """The placement rule; `quantizer` (codec.quantize or a bit-exact kernel) fills the body."""
         n0 = self.length[layer]
         n1 = n0 + chunks["k"].shape[1]
         s, w = self.config.sink, self.config.recent
@@ -247,7 +248,7 @@ class OscarKVCache:
                 if bool(from_ring.any()):
                     values[:, from_ring] = self.recent[kind][layer][:, (positions[from_ring] - s) % w]
                 values[:, ~from_ring] = chunk[:, positions[~from_ring] - n0]
-                self._quantize_into_body(kind, layer, body_from - s, values)
+                self._quantize_into_body(kind, layer, body_from - s, values, quantizer)
             # Recent ring: the last w positions, slot (p - s) % w.
             ring_from = max(s, n1 - w, n0)
             if w and ring_from < n1:

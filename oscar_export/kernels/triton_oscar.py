@@ -610,48 +610,15 @@ def triton_decode_attend(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v:
         **cache_decode_inputs(cache, layer),
     )
     if append == "triton":
-        _store_with_triton(cache, layer, chunks)
+        cache._store(layer, chunks, quantize_pack)
     else:
         cache._store(layer, chunks)
     return cache.unrotate_values(layer, out[:, None, :])
 
 
-def _store_with_triton(cache, layer: int, chunks: dict) -> None:
-    """The placement rule of docs/format.md section 5, with the body quantized by quantize_pack."""
-    cfg = cache.config
-    n0 = cache.length[layer]
-    n1 = n0 + chunks["k"].shape[1]
-    s, w = cfg.sink, cfg.recent
-    for kind, chunk in chunks.items():
-        sink_end = min(s, n1)
-        if n0 < sink_end:
-            cache.sink[kind][layer, :, n0:sink_end] = chunk[:, : sink_end - n0]
-        body_from, body_to = max(s, n0 - w), max(s, n1 - w)
-        if body_to > body_from:
-            # Tokens leaving the ring are read before the ring is overwritten below.
-            positions = torch.arange(body_from, body_to)
-            from_ring = positions < n0
-            values = torch.empty(cache.kv_heads, body_to - body_from, cache.head_dim,
-                                 dtype=chunk.dtype, device=chunk.device)
-            if bool(from_ring.any()):
-                values[:, from_ring] = cache.recent[kind][layer][:, (positions[from_ring] - s) % w]
-            values[:, ~from_ring] = chunk[:, positions[~from_ring] - n0]
-            q = quantize_pack(values, cfg.bits(kind), cfg.cluster_dim, cfg.clip(kind),
-                              cache.levels[kind][layer], cfg.scale_dtype)
-            rows = slice(body_from - s, body_to - s)
-            cache.codes[kind][layer, :, rows] = q.codes
-            cache.scale[kind][layer, :, rows] = q.scale
-            cache.zero[kind][layer, :, rows] = q.zero
-        ring_from = max(s, n1 - w, n0)
-        if w and ring_from < n1:
-            positions = torch.arange(ring_from, n1)
-            cache.recent[kind][layer][:, (positions - s) % w] = chunk[:, positions - n0]
-    cache.length[layer] = n1
-
-
 def triton_append(cache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """`cache.append(layer, k, v)` with the packed body written by the Triton quantize kernel."""
-    _store_with_triton(cache, layer, cache._rotated_chunks(layer, k, v))
+    cache._store(layer, cache._rotated_chunks(layer, k, v), quantize_pack)
 
 
 __all__ = [
