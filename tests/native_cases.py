@@ -175,3 +175,8 @@ def export_for_core_test(case: Case, directory: Path) -> Path:
     for name, value in arrays.items():
         np.ascontiguousarray(value).tofile(directory / f"{name}.bin")
     return directory
+
+
+def assert_final_cache(case: Case, cache: dict) -> None:
+    for name, want in case.final.items():
+        assert same_bits(cache[name], want), f"{case.name}: final {name} differs"

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from native_cases import (GOLDEN, INDEX, VECTORS, Case, export_for_core_test, golden_case, random_case, rel_err,
+from native_cases import (GOLDEN, INDEX, VECTORS, Case, assert_final_cache, export_for_core_test, golden_case, random_case, rel_err,
                           same_bits)
 from oscar_export.codec import quantize
 from oscar_export.native import CORE_TEST, build_native, core_library_path
@@ -116,11 +116,6 @@ def replay(core: Core, case: Case, **kwargs) -> tuple[float, dict]:
         worst = max(worst, rel_err(out, want))
         length += q.shape[1]
     return worst, cache
-
-
-def assert_final_cache(case: Case, cache: dict) -> None:
-    for name, want in case.final.items():
-        assert same_bits(cache[name], want), f"{case.name}: final {name} differs"
 
 
 # -- golden vectors ---------------------------------------------------------------------------

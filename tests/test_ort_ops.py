@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from native_cases import CACHE_INPUTS, GOLDEN, Case, golden_case, random_case, rel_err, same_bits
+from native_cases import CACHE_INPUTS, GOLDEN, Case, assert_final_cache, golden_case, random_case, rel_err, same_bits
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
@@ -104,11 +104,6 @@ def replay(session, case: Case) -> tuple[float, dict]:
         worst = max(worst, rel_err(run(session, feeds), want))
         length += q.shape[1]
     return worst, cache
-
-
-def assert_final_cache(case: Case, cache: dict) -> None:
-    for name, want in case.final.items():
-        assert same_bits(cache[name], want), f"{case.name}: final {name} differs"
 
 
 @pytest.mark.parametrize("name", GOLDEN)
