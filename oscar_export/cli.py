@@ -17,8 +17,8 @@ from rich.table import Table
 from . import __version__
 from .cli_rotations import add_rotations_command
 from .config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
+from .targets import TARGETS, available
 
-TARGETS = ("android", "ios", "laptop")
 # Runtime name -> Python distribution that provides it.
 RUNTIMES = {
     "torch": "torch",
@@ -168,7 +168,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "versions": versions,
         # Built by the set-up (or on first use); ExecuTorch kernels arrive with the android target.
         "native_op_libraries": {"onnxruntime": (native_build / ORT_LIBRARY).is_file(), "executorch": False},
-        "targets": {target: target == "laptop" for target in TARGETS},
+        "targets": {target: available(target) for target in TARGETS},
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -381,9 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_eval import add_eval_command  # cli_eval imports the cache flags from this module
 
     add_eval_command(sub)
-    from .cli_laptop import add_laptop_commands  # run and bench: the ONNX Runtime (laptop) target
+    from .cli_targets import add_target_commands  # run and bench, dispatched to each target's module
 
-    add_laptop_commands(sub)
+    add_target_commands(sub)
     return parser
 
 
@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     argv = sys.argv[1:] if argv is None else argv
     if any(arg.split("=")[0] == "--target" for arg in argv):
-        from .cli_laptop import export_target  # export has its own flags (--model, --out, ...)
+        from .cli_targets import export_target  # each target has its own flags (--model, --out, ...)
 
         return export_target(argv)
     parser = build_parser()

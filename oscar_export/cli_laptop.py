@@ -1,7 +1,6 @@
-"""`oscar-export --target laptop`, `run` and `bench attention`: the ONNX Runtime target.
+"""The laptop target's CLI (targets/laptop.toml): export, run and `bench attention` on ONNX Runtime.
 
-cli.py wires them in: `export_target(target, argv)` for --target, `add_laptop_commands(subparsers)`
-for run and bench. Bad input raises OscarInputError, which becomes a one-line error.
+cli_targets.py dispatches here. Bad input raises OscarInputError, which becomes a one-line error.
 """
 
 from __future__ import annotations
@@ -11,10 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import TARGETS, _Parser, positive_int, add_cache_flags
+from .cli import _Parser, add_cache_flags, positive_int
 from .config import OscarInputError
-
-RUN_RUNTIMES = ("onnxruntime", "onnx-fallback", "reference")
 
 
 def _export_parser() -> argparse.ArgumentParser:
@@ -36,13 +33,7 @@ def _export_parser() -> argparse.ArgumentParser:
 
 
 def export_target(argv: list[str]) -> int:
-    """Run `oscar-export --target TARGET ...`; argv is the whole command line."""
-    pre = _Parser(prog="oscar-export", add_help=False)
-    pre.add_argument("--target", choices=TARGETS)
-    target = pre.parse_known_args(argv)[0].target
-    if target != "laptop":
-        print(f"oscar-export --target {target}: export is not available yet in this version", file=sys.stderr)
-        return 2
+    """Run `oscar-export --target laptop ...`; argv is the whole command line."""
     args = _export_parser().parse_args(argv)
     from .export.laptop import export_laptop
 
@@ -64,30 +55,19 @@ def export_target(argv: list[str]) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def run_artifact(directory, prompt: str, max_new_tokens: int, runtime: str, threads: int) -> dict:
     from .export.laptop import run_artifact
 
-    result = run_artifact(args.artifact, args.prompt, args.max_new_tokens, args.runtime, args.threads)
-    print(json.dumps(result) if args.json else result["text"])
-    return 0
+    return run_artifact(directory, prompt, max_new_tokens, runtime, threads)
 
 
-def _contexts(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v <= 0 for v in values):
-        raise OscarInputError(f"--context={text!r}: expected comma-separated positive token counts, e.g. 4096,32768")
-    return values
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
+def bench(args: argparse.Namespace) -> int:
     from .cli import config_from_args
+    from .cli_targets import contexts as parse_contexts
     from .export.ort_bench import bench_attention
     from .models import model_shape
 
-    contexts = _contexts(args.context)
+    contexts = parse_contexts(args.context)
     shape = model_shape(args.model)
     report = bench_attention(contexts, shape.q_heads, shape.kv_heads, shape.head_dim, config_from_args(args),
                              args.threads)
@@ -100,30 +80,3 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"  context {r['context']:>7}: OSCAR {r['oscar_ms']:.3f} ms, fp32 baseline {r['baseline_ms']:.3f} ms, "
               f"speed-up {r['speedup']:.2f}x")
     return 0
-
-
-def add_laptop_commands(sub) -> None:
-    p = sub.add_parser("run", help="generate text from an exported artifact",
-                       description="Greedy generation from a --target laptop artifact.")
-    p.add_argument("--artifact", required=True, type=Path, help="directory written by --target laptop")
-    p.add_argument("--prompt", required=True, help="prompt text")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default %(default)s)")
-    p.add_argument("--runtime", choices=RUN_RUNTIMES, default="onnxruntime",
-                   help="onnxruntime (native op), onnx-fallback (stock ONNX Runtime, slower) or reference "
-                        "(transformers with the reference cache; needs the source checkpoint)")
-    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime threads (0: its default)")
-    p.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": "..."}')
-    p.set_defaults(func=cmd_run)
-
-    p = sub.add_parser("bench", help="benchmark the OSCAR attention kernels",
-                       description="Decode-attention latency of the OSCAR op against the runtime's own fp32 "
-                                   "attention over the same context, same threads.")
-    p.add_argument("what", choices=("attention",))
-    p.add_argument("--runtime", choices=("onnxruntime",), default="onnxruntime")
-    p.add_argument("--context", default="4096,32768", help="comma-separated contexts (default %(default)s)")
-    p.add_argument("--model", default="bundled", help="model whose attention shape is used: 'bundled', a preset "
-                                                      "(llama-3-8b, ...) or a local checkpoint")
-    p.add_argument("--threads", type=positive_int, help="threads for both (default: every core)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_cache_flags(p)
-    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,95 @@
+"""`oscar-export --target T`, `run` and `bench`: dispatch to the target's CLI module.
+
+targets/<name>.toml names each target's module (oscar_export.targets). A module provides
+export_target(argv) for `--target`, run_artifact(directory, prompt, max_new_tokens, runtime,
+threads) for `run`, and bench(args, runtime) for `bench attention` when its recipe lists
+bench runtimes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .cli import _Parser, add_cache_flags, positive_int
+from .config import OscarInputError
+from .targets import TARGETS, available, bench_runtimes, cli_module, recipe, run_runtimes
+
+
+def export_target(argv: list[str]) -> int:
+    """Run `oscar-export --target TARGET ...`; argv is the whole command line."""
+    pre = _Parser(prog="oscar-export", add_help=False)
+    pre.add_argument("--target", choices=TARGETS)
+    target = pre.parse_known_args(argv)[0].target
+    module = cli_module(target)
+    if module is None:
+        print(f"oscar-export --target {target}: export is not available yet in this version", file=sys.stderr)
+        return 2
+    return module.export_target(argv)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .export.artifact import load_manifest
+
+    target = load_manifest(args.artifact)["target"]
+    allowed = recipe(target)["run_runtimes"]
+    runtime = args.runtime or allowed[0]
+    if runtime not in allowed:
+        raise OscarInputError(f"--runtime {runtime!r} does not run a {target} artifact: expected one of {allowed}")
+    result = _module(target).run_artifact(args.artifact, args.prompt, args.max_new_tokens, runtime, args.threads)
+    print(json.dumps(result) if args.json else result["text"])
+    return 0
+
+
+def _module(target: str):
+    module = cli_module(target)
+    if module is None:
+        raise OscarInputError(f"the {target} target is not available yet in this version")
+    return module
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    return _module(bench_runtimes()[args.runtime]).bench(args)
+
+
+def add_target_commands(sub) -> None:
+    p = sub.add_parser("run", help="generate text from an exported artifact",
+                       description="Greedy generation from an artifact written by --target.")
+    p.add_argument("--artifact", required=True, type=Path, help="directory written by --target")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default %(default)s)")
+    p.add_argument("--runtime", choices=run_runtimes(),
+                   help="default: the target's runtime. laptop: " + ", ".join(recipe("laptop")["run_runtimes"])
+                        + "; android: " + ", ".join(recipe("android")["run_runtimes"])
+                        + "; ios: " + ", ".join(recipe("ios")["run_runtimes"])
+                        + ". reference runs transformers with the reference cache (needs the source checkpoint)")
+    p.add_argument("--threads", type=int, default=0, help="runtime threads (0: its default)")
+    p.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": "..."}')
+    p.set_defaults(func=cmd_run)
+
+    runtimes = bench_runtimes()
+    p = sub.add_parser("bench", help="benchmark the OSCAR attention kernels",
+                       description="Decode-attention latency of the OSCAR op against the runtime's own "
+                                   "attention over the same context, same threads, measured in one run.")
+    p.add_argument("what", choices=("attention",))
+    p.add_argument("--runtime", choices=tuple(runtimes), default=next(r for r, t in runtimes.items() if available(t)),
+                   help="runtime whose kernels and baselines are timed (default %(default)s)")
+    p.add_argument("--context", default="4096,32768", help="comma-separated contexts (default %(default)s)")
+    p.add_argument("--model", default="bundled", help="model whose attention shape is used: 'bundled', a preset "
+                                                      "(llama-3-8b, ...) or a local checkpoint")
+    p.add_argument("--threads", type=positive_int, help="threads for both (default: every core)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_cache_flags(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def contexts(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise OscarInputError(f"--context={text!r}: expected comma-separated positive token counts, e.g. 4096,32768")
+    return values

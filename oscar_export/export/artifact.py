@@ -1,0 +1,126 @@
+"""What every target's artifact directory shares: staging and atomic replace, file hashes,
+manifest.json, and the reference generation an artifact is compared with.
+
+An artifact is written into a temporary sibling directory and renamed into place, so a failed
+export never leaves a half-written artifact behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from ..config import OscarConfig, OscarInputError
+
+MANIFEST = "manifest.json"
+ROTATION_FILE = "rotations.safetensors"
+
+
+def manifest_format(target: str) -> str:
+    return f"oscar-export/{target}/1"
+
+
+def config_for(rotations, **fields) -> OscarConfig:
+    """OscarConfig from the given fields; a rotation file's clip ratios and codebook fill in the rest."""
+    meta = getattr(rotations, "metadata", {})
+    for key in ("k_clip", "v_clip", "codebook"):
+        if fields.get(key) is None and meta.get(key) is not None:
+            fields[key] = meta[key]
+    return OscarConfig(**{key: value for key, value in fields.items() if value is not None})
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def file_table(directory: Path) -> dict:
+    """{name: {bytes, sha256}} of every file in the directory, recursively (an .mlpackage is a folder)."""
+    return {str(p.relative_to(directory)): {"bytes": p.stat().st_size, "sha256": sha256(p)}
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def check_out(out: Path) -> None:
+    """out may be new, empty, or a previous artifact (replaced); anything else is refused."""
+    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file())):
+        raise OscarInputError(f"--out {str(out)!r} exists and is not an oscar-export artifact: "
+                              "expected a new or empty directory, or a previous export to replace")
+    if not out.parent.is_dir():
+        raise OscarInputError(f"--out {str(out)!r}: parent directory does not exist")
+
+
+@contextlib.contextmanager
+def staged(out: Path):
+    """Yields an empty temporary directory next to `out`; on success it replaces `out` atomically."""
+    out = Path(out)
+    check_out(out)
+    temp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(temp, ignore_errors=True)
+    temp.mkdir()
+    try:
+        yield temp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            os.replace(out, old)
+            os.replace(temp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(temp, out)
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def write_manifest(directory: Path, manifest: dict) -> None:
+    (Path(directory) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def load_manifest(directory, target: str | None = None) -> dict:
+    """The artifact's manifest; with `target`, it must be that target's."""
+    path = Path(directory) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise OscarInputError(f"--artifact {str(directory)!r}: no readable {MANIFEST} ({err}): "
+                              "expected a directory written by 'oscar-export --target ...'") from None
+    found = manifest.get("target") if isinstance(manifest, dict) else None
+    if found is None or manifest.get("format") != manifest_format(found) or target not in (None, found):
+        want = manifest_format(target) if target else "oscar-export/<target>/1"
+        raise OscarInputError(f"--artifact {str(directory)!r}: {MANIFEST} is not format {want!r}")
+    return manifest
+
+
+def eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+def reference_tokens(manifest: dict, directory: Path, ids: list[int], max_new_tokens: int) -> list[int]:
+    """The same generation through transformers with the reference OscarCache (needs the source checkpoint)."""
+    from ..hf_cache import patch_model_for_kv_quant
+    from ..models import load_model
+
+    model, _ = load_model(manifest["model"]["source"])
+    rotations = manifest["rotations"]
+    rotations = Path(directory) / rotations if rotations == ROTATION_FILE else rotations
+    config = dict(manifest["config"])
+    patch_model_for_kv_quant(model, rotations=rotations, max_context=manifest["max_context"],
+                             cluster_dim=config.pop("cluster_dim"), **config)
+    eos = manifest["eos_token_ids"] or None
+    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos)
+    return out[0, len(ids):].tolist()
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise OscarInputError("--prompt is empty after tokenization: expected some text")
+    return ids
