@@ -197,7 +197,6 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     for args, needle in [(["run", "--artifact", str(tmp_path), "--prompt", "x"], "manifest.json"),
                          (["--target", "laptop", "--out", str(tmp_path)], "not an oscar-export artifact"),
                          (["--target", "laptop", "--rotations", "online"], "online"),
-                         (["--target", "ios"], "not available yet"),
                          (["bench", "attention", "--context", "100"], "--context 100")]:
         assert main(args) == 2, args
         err = capsys.readouterr().err
