@@ -4,6 +4,8 @@
 // picked by the linker for a caller on a CPU without it.
 #include <immintrin.h>
 
+#include <cmath>
+
 #include "oscar_kernels.h"
 
 namespace oscar {
@@ -108,8 +110,408 @@ struct Avx2 {
   }
 };
 
+// ---- planar path: uniform 2- and 4-bit codes --------------------------------------------
+// A block's codes are first spread to one byte per code in "plane order": within a group,
+// position k * seg + j holds the code of channel j * cpb + k (cpb codes per byte, seg = cd / cpb
+// bytes), so spreading is a shift and a mask per byte plane. Query and accumulators are permuted
+// to match. Scores then run as integer dot products: q is split into int8 terms (SplitQuery) and
+// u8 code x s8 query products go through vpmaddubsw.
+
+constexpr int kPlanarMaxDim = 128;  // one block's spread codes (at most 32 KiB) live on the stack
+constexpr int kPlanarRows = 256;    // the driver's decode block
+
+inline int min_int(int a, int b) { return a < b ? a : b; }
+
+bool planar(const BodyView& b) {
+  if ((b.bits != 2 && b.bits != 4) || b.head_dim > kPlanarMaxDim) return false;
+  for (int i = 0; i < (1 << b.bits); ++i)
+    if (b.levels[i] != float(i)) return false;
+  return true;
+}
+
+// Channel of plane-order position p (same group). cluster_dim and codes per byte are powers of two.
+inline int plane_channel(int p, int bits, int cluster_dim) {
+  const int cpb_log = bits == 2 ? 2 : 1, seg_log = __builtin_ctz(unsigned(cluster_dim)) - cpb_log;
+  const int r = p & (cluster_dim - 1);
+  return (p - r) + ((r & ((1 << seg_log) - 1)) << cpb_log) + (r >> seg_log);
+}
+
+// One group's codes (cd / (8 / BITS) bytes at src) in plane order: cd / 32 vectors of one byte per code.
+template <int BITS>
+inline void expand_group(const uint8_t* src, int cd, __m256i* out) {
+  const __m256i mask = _mm256_set1_epi8((1 << BITS) - 1);
+  auto bytes16 = [&] { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))); };
+  auto bytes32 = [&](int o) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + o)); };
+  if constexpr (BITS == 2) {
+    if (cd == 32) {  // 8 bytes: all four 8-byte planes in one vector
+      int64_t w;
+      __builtin_memcpy(&w, src, 8);
+      out[0] = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(w), _mm256_setr_epi64x(0, 2, 4, 6)), mask);
+    } else if (cd == 64) {  // 16 bytes: planes 0,1 then 2,3
+      const __m256i x = bytes16();
+      out[0] = _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(0, 0, 2, 2)), mask);
+      out[1] = _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_setr_epi64x(4, 4, 6, 6)), mask);
+    } else {  // 32 bytes: one vector per plane
+      const __m256i x = bytes32(0);
+      out[0] = _mm256_and_si256(x, mask);
+      out[1] = _mm256_and_si256(_mm256_srli_epi16(x, 2), mask);
+      out[2] = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
+      out[3] = _mm256_and_si256(_mm256_srli_epi16(x, 6), mask);
+    }
+  } else {
+    if (cd == 32) {  // 16 bytes: planes 0 and 1
+      out[0] = _mm256_and_si256(_mm256_srlv_epi64(bytes16(), _mm256_setr_epi64x(0, 0, 4, 4)), mask);
+    } else if (cd == 64) {
+      const __m256i x = bytes32(0);
+      out[0] = _mm256_and_si256(x, mask);
+      out[1] = _mm256_and_si256(_mm256_srli_epi16(x, 4), mask);
+    } else {
+      const __m256i x0 = bytes32(0), x1 = bytes32(32);
+      out[0] = _mm256_and_si256(x0, mask);
+      out[1] = _mm256_and_si256(x1, mask);
+      out[2] = _mm256_and_si256(_mm256_srli_epi16(x0, 4), mask);
+      out[3] = _mm256_and_si256(_mm256_srli_epi16(x1, 4), mask);
+    }
+  }
+}
+
+// Codes of rows row0 .. row0+n-1 -> out[j * head_dim + plane position], one byte per code.
+template <int BITS>
+void spread(const BodyView& b, int64_t row0, int n, uint8_t* out) {
+  const int D = b.head_dim, cd = b.cluster_dim, group_bytes = cd * BITS / 8, code_bytes = D * BITS / 8;
+  const uint8_t* src = b.codes + row0 * code_bytes;
+  for (int j = 0; j < n; ++j, src += code_bytes, out += D)
+    for (int g = 0; g < D / cd; ++g) {
+      __m256i v[4];
+      expand_group<BITS>(src + g * group_bytes, cd, v);
+      __m256i* dst = reinterpret_cast<__m256i*>(out + g * cd);
+      _mm256_storeu_si256(dst, v[0]);  // unrolled by hand: a loop here becomes a memcpy call
+      if (cd >= 64) _mm256_storeu_si256(dst + 1, v[1]);
+      if (cd == 128) _mm256_storeu_si256(dst + 2, v[2]), _mm256_storeu_si256(dst + 3, v[3]);
+    }
+}
+
+// Sums of the 8 lanes of each of v[0..7], as one vector (lane r = sum of v[r]).
+inline __m256i hsum8_epi32(const __m256i* v) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+  const __m256i c = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
+}
+
+// The query split into three int8 terms per group, in plane order:
+// q ~ s[0] * t[0] + s[1] * t[1] + s[2] * t[2] with s[i+1] = s[i] / 254, so each term holds the
+// rounding residual of the ones before it; what is left is below max|q| / 2^24 per element, the
+// rounding of the fp32 reference itself.
+constexpr int kTerms = 3;
+
+struct SplitQuery {
+  alignas(32) int8_t t[kTerms][kPlanarMaxDim];
+  float s[kTerms][kPlanarMaxDim / 32];
+
+  void set(const float* q, int bits, int head_dim, int cd) {
+    for (int g = 0; g < head_dim / cd; ++g) {
+      float amax = 0.0f;
+      for (int i = g * cd; i < (g + 1) * cd; ++i) amax = std::fabs(q[i]) > amax ? std::fabs(q[i]) : amax;
+      s[0][g] = amax / 127.0f;
+      for (int i = 1; i < kTerms; ++i) s[i][g] = s[i - 1][g] / 254.0f;  // |residual| <= s[i-1]/2 = 127 s[i]
+      for (int p = g * cd; p < (g + 1) * cd; ++p) {
+        float x = q[plane_channel(p, bits, cd)];
+        for (int i = 0; i < kTerms; ++i) {
+          float r = s[i][g] > 0.0f ? std::nearbyint(x / s[i][g]) : 0.0f;
+          r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+          t[i][p] = int8_t(r);
+          x -= r * s[i][g];
+        }
+      }
+    }
+  }
+};
+
+// Scores of NH query heads over 8-row chunks: per row and group, the codes are expanded once and
+// dotted with every head's terms; 8 rows' int32 lanes are reduced together.
+template <int BITS, int NH>
+void planar_scores_heads(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, const float* qsum, int h0,
+                         float* scores) {
+  const int D = b.head_dim, cd = b.cluster_dim, G = b.groups, group_bytes = cd * BITS / 8, code_bytes = D * BITS / 8;
+  const uint8_t* codes = b.codes + row0 * code_bytes;
+  const uint16_t* scale = b.scale + row0 * G;
+  const uint16_t* zero = b.zero + row0 * G;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int j0 = 0; j0 < n; j0 += 8) {
+    const int rows = min_int(8, n - j0);
+    __m256 total[NH];
+    for (int k = 0; k < NH; ++k) total[k] = _mm256_setzero_ps();
+    for (int g = 0; g < G; ++g) {
+      __m256i dots[NH][kTerms][8];
+      for (int r = 0; r < 8; ++r) {
+        if (r >= rows) {
+          for (int k = 0; k < NH; ++k)
+            for (int i = 0; i < kTerms; ++i) dots[k][i][r] = _mm256_setzero_si256();
+          continue;
+        }
+        __m256i c[4];
+        expand_group<BITS>(codes + (j0 + r) * code_bytes + g * group_bytes, cd, c);
+        for (int k = 0; k < NH; ++k)
+          for (int i = 0; i < kTerms; ++i) {
+            const __m256i* y = reinterpret_cast<const __m256i*>(sq[k].t[i] + g * cd);
+            __m256i m = _mm256_maddubs_epi16(c[0], _mm256_load_si256(y));
+            for (int o = 1; o < cd / 32; ++o)  // int16 pair sums stay below 4 x 2 x 15 x 127 < 2^15
+              m = _mm256_add_epi16(m, _mm256_maddubs_epi16(c[o], _mm256_load_si256(y + o)));
+            dots[k][i][r] = _mm256_madd_epi16(m, ones);
+          }
+      }
+      __m256 s8, z8;
+      if (rows == 8 && G == 1) {
+        s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + j0)));
+        z8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zero + j0)));
+      } else {
+        alignas(16) uint16_t s16[8] = {}, z16[8] = {};  // the rows' fp16 scale and zero of group g
+        for (int r = 0; r < rows; ++r) s16[r] = scale[(j0 + r) * G + g], z16[r] = zero[(j0 + r) * G + g];
+        s8 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(s16)));
+        z8 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(z16)));
+      }
+      for (int k = 0; k < NH; ++k) {
+        __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(dots[k][kTerms - 1])), _mm256_set1_ps(sq[k].s[kTerms - 1][g]));
+        for (int i = kTerms - 2; i >= 0; --i)  // smallest term first
+          dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_epi32(dots[k][i])), _mm256_set1_ps(sq[k].s[i][g]), dot);
+        total[k] = _mm256_fmadd_ps(s8, dot, _mm256_fmadd_ps(z8, _mm256_set1_ps(qsum[(h0 + k) * G + g]), total[k]));
+      }
+    }
+    for (int k = 0; k < NH; ++k) {
+      float* out = scores + (h0 + k) * n + j0;
+      if (rows == 8) {
+        _mm256_storeu_ps(out, total[k]);
+      } else {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, total[k]);
+        for (int r = 0; r < rows; ++r) out[r] = t[r];
+      }
+    }
+  }
+}
+
+template <int BITS>
+void planar_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads,
+                   float* scores) {
+  SplitQuery sq[4];
+  for (int h0 = 0; h0 < heads; h0 += 4) {
+    const int nh = min_int(4, heads - h0);
+    for (int k = 0; k < nh; ++k) sq[k].set(q + (h0 + k) * b.head_dim, BITS, b.head_dim, b.cluster_dim);
+    switch (nh) {
+      case 1: planar_scores_heads<BITS, 1>(b, row0, n, sq, qsum, h0, scores); break;
+      case 2: planar_scores_heads<BITS, 2>(b, row0, n, sq, qsum, h0, scores); break;
+      case 3: planar_scores_heads<BITS, 3>(b, row0, n, sq, qsum, h0, scores); break;
+      default: planar_scores_heads<BITS, 4>(b, row0, n, sq, qsum, h0, scores); break;
+    }
+  }
+}
+
+// Channel-major over plane positions: 8 positions x heads accumulators stay in registers across
+// the block's rows, then land on their channels. weights[(h * groups + g) * n + j].
+template <int BITS, int NH>
+void planar_values_heads(const BodyView& b, const uint8_t* codes, int n, int h0, float* acc, const float* weights) {
+  const int D = b.head_dim, cd = b.cluster_dim, G = b.groups;
+  for (int p0 = 0; p0 < D; p0 += 8) {
+    const int g = p0 / cd;
+    __m256 a0[NH], a1[NH];  // two chains (even and odd rows) hide the FMA latency
+    const float* w[NH];
+    for (int k = 0; k < NH; ++k) {
+      a0[k] = a1[k] = _mm256_setzero_ps();
+      w[k] = weights + int64_t((h0 + k) * G + g) * n;
+    }
+    auto code8 = [&](int j) {
+      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j * D + p0))));
+    };
+    int j = 0;
+    for (; j + 1 < n; j += 2) {
+      const __m256 c0 = code8(j), c1 = code8(j + 1);
+      for (int k = 0; k < NH; ++k) {
+        a0[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[k] + j), c0, a0[k]);
+        a1[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[k] + j + 1), c1, a1[k]);
+      }
+    }
+    if (j < n) {
+      const __m256 c0 = code8(j);
+      for (int k = 0; k < NH; ++k) a0[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[k] + j), c0, a0[k]);
+    }
+    for (int k = 0; k < NH; ++k) {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, _mm256_add_ps(a0[k], a1[k]));
+      float* dst = acc + (h0 + k) * D;
+      for (int l = 0; l < 8; ++l) dst[plane_channel(p0 + l, BITS, cd)] += t[l];
+    }
+  }
+}
+
+// weights[(h * groups + g) * n + j] = p[h * n + j] * scale of (row0 + j, g), and acc gets the
+// zero terms sum_j p[h * n + j] * zero of (row0 + j, g) on every channel of group g.
+void planar_weights(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* weights) {
+  const int D = b.head_dim, cd = b.cluster_dim, G = b.groups;
+  const uint16_t* scale = b.scale + row0 * G;
+  const uint16_t* zero = b.zero + row0 * G;
+  for (int h = 0; h < heads; ++h)
+    for (int g = 0; g < G; ++g) {
+      float* w = weights + int64_t(h * G + g) * n;
+      __m256 zsum = _mm256_setzero_ps();
+      for (int j0 = 0; j0 < n; j0 += 8) {
+        const int rows = min_int(8, n - j0);
+        __m256 pv, sv, zv;
+        if (rows == 8 && G == 1) {  // head_dim == cluster_dim: the rows' scales are contiguous
+          pv = _mm256_loadu_ps(p + h * n + j0);
+          sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + j0)));
+          zv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zero + j0)));
+        } else {
+          alignas(16) uint16_t s16[8] = {}, z16[8] = {};
+          alignas(32) float p8[8] = {};
+          for (int r = 0; r < rows; ++r) {
+            s16[r] = scale[(j0 + r) * G + g], z16[r] = zero[(j0 + r) * G + g];
+            p8[r] = p[h * n + j0 + r];
+          }
+          pv = _mm256_load_ps(p8);
+          sv = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(s16)));
+          zv = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(z16)));
+        }
+        const __m256 wv = _mm256_mul_ps(pv, sv);
+        zsum = _mm256_fmadd_ps(pv, zv, zsum);
+        if (rows == 8) {
+          _mm256_storeu_ps(w + j0, wv);
+        } else {
+          alignas(32) float t[8];
+          _mm256_store_ps(t, wv);
+          for (int r = 0; r < rows; ++r) w[j0 + r] = t[r];
+        }
+      }
+      const __m256 z = _mm256_set1_ps(hsum(zsum));
+      for (int i = 0; i < cd; i += 8) {
+        float* dst = acc + h * D + g * cd + i;
+        _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), z));
+      }
+    }
+}
+
+template <int BITS>
+void planar_values(const BodyView& b, int64_t row0, int n, int heads, float* acc, const float* weights) {
+  alignas(32) uint8_t codes[kPlanarRows * kPlanarMaxDim];
+  spread<BITS>(b, row0, n, codes);
+  for (int h0 = 0; h0 < heads; h0 += 4) {
+    switch (min_int(4, heads - h0)) {
+      case 1: planar_values_heads<BITS, 1>(b, codes, n, h0, acc, weights); break;
+      case 2: planar_values_heads<BITS, 2>(b, codes, n, h0, acc, weights); break;
+      case 3: planar_values_heads<BITS, 3>(b, codes, n, h0, acc, weights); break;
+      default: planar_values_heads<BITS, 4>(b, codes, n, h0, acc, weights); break;
+    }
+  }
+}
+
+void avx2_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads, float* scores) {
+  if (n > kPlanarRows || !planar(b)) return fused_scores<Avx2>(b, row0, n, q, qsum, heads, scores);
+  if (b.bits == 2) return planar_scores<2>(b, row0, n, q, qsum, heads, scores);
+  planar_scores<4>(b, row0, n, q, qsum, heads, scores);
+}
+
+void avx2_values(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch) {
+  if (n > kPlanarRows || !planar(b)) return fused_values<Avx2>(b, row0, n, p, heads, acc, scratch);
+  planar_weights(b, row0, n, p, heads, acc, scratch);
+  if (b.bits == 2) return planar_values<2>(b, row0, n, heads, acc, scratch);
+  planar_values<4>(b, row0, n, heads, acc, scratch);
+}
+
+// ---- softmax pieces ------------------------------------------------------------------------
+
+// exp(x) = 2^n e^r with n = round(x / ln 2), |r| <= ln2 / 2, and a degree-6 polynomial for e^r
+// (relative error about 2e-7). Inputs are clamped to [-87, 88]: the softmax only sees x <= 0,
+// and weights below exp(-87) ~ 1.6e-38 add nothing to a sum that is at least 1.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts: r is exact
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+float avx2_scale_max(float* s, int n, float scaling) {
+  const __m256 k = _mm256_set1_ps(scaling);
+  __m256 m = _mm256_set1_ps(-__builtin_inff());
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(s + j), k);
+    _mm256_storeu_ps(s + j, x);
+    m = _mm256_max_ps(m, x);
+  }
+  float block_max = hmax(m);
+  for (; j < n; ++j) {
+    s[j] *= scaling;
+    block_max = s[j] > block_max ? s[j] : block_max;
+  }
+  return block_max;
+}
+
+float avx2_exp_sum(float* s, int n, float m) {
+  const __m256 shift = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), shift));
+    _mm256_storeu_ps(s + j, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (j < n) {  // the last 1..7 weights, through the same exp
+    alignas(32) float t[8] = {};
+    for (int i = j; i < n; ++i) t[i - j] = s[i] - m;
+    _mm256_store_ps(t, exp8(_mm256_load_ps(t)));
+    for (int i = j; i < n; ++i) s[i] = t[i - j];
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(n - j), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    sum = _mm256_add_ps(sum, _mm256_and_ps(_mm256_load_ps(t), _mm256_castsi256_ps(lanes)));
+  }
+  return hsum(sum);
+}
+
+// ---- fp16 windows ---------------------------------------------------------------------------
+
+void avx2_load_f16(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+  for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
+}
+
+float avx2_dot(const float* a, const float* b, int64_t n) {
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+  }
+  float sum = hsum(_mm256_add_ps(s0, s1));
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+void avx2_axpy(float* acc, float w, const float* x, int64_t n) {
+  const __m256 wv = _mm256_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(acc + i)));
+  for (; i < n; ++i) acc[i] += w * x[i];
+}
+
 }  // namespace
 
-const BodyKernels kAvx2Kernels = {fused_scores<Avx2>, fused_values<Avx2>};
+const BodyKernels kAvx2Kernels = {avx2_scores,   avx2_values, avx2_scale_max, avx2_exp_sum,
+                                  avx2_load_f16, avx2_dot,    avx2_axpy};
 
 }  // namespace oscar

@@ -18,6 +18,7 @@ namespace oscar {
 namespace {
 
 constexpr int kBlock = 64;  // keys per online-softmax block: scores and fp32 rows stay in L1
+constexpr int kBodyBlock = 256;  // body rows per fused decode block: amortizes per-block query set-up
 constexpr int64_t kMaxDim = int64_t(1) << 31;
 
 template <typename... Args>
@@ -146,22 +147,16 @@ void axpy(float* acc, float w, const float* x, int64_t n) {
 
 // Online softmax over one block of raw dot products s[0..n): scales them, rescales the running
 // sum l and accumulator acc if the running max m grows, and leaves the weights exp(s - m) in s.
-void softmax_block(float scaling, float* s, int n, float& m, float& l, float* acc, int64_t head_dim) {
-  float block_max = -std::numeric_limits<float>::infinity();
-  for (int j = 0; j < n; ++j) {
-    s[j] *= scaling;
-    block_max = std::max(block_max, s[j]);
-  }
+void softmax_block(const BodyKernels& k, float scaling, float* s, int n, float& m, float& l, float* acc,
+                   int64_t head_dim) {
+  const float block_max = k.scale_max(s, n, scaling);
   if (block_max > m) {
     const float r = std::exp(m - block_max);  // 0 on the first block (m = -inf)
     l *= r;
     for (int64_t i = 0; i < head_dim; ++i) acc[i] *= r;
     m = block_max;
   }
-  for (int j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - m);
-    l += s[j];
-  }
+  l += k.exp_sum(s, n, m);
 }
 
 // Levels of one group's codes, unpacked from its 8-code words.
@@ -221,7 +216,7 @@ struct Layer {
 
   // The fp32 value at position p of KV head h as this chunk's attention sees it: the cache
   // before the chunk (sink, ring fp16; body dequantized) or the chunk's own fp16 row.
-  void load_row(const Kind& k, int64_t h, int64_t p, float* dst) const {
+  void load_row(const Kind& k, int64_t h, int64_t p, float* dst, const BodyKernels& kernels = kScalarKernels) const {
     const uint16_t* src;
     if (p >= n0) {
       src = k.chunk + (h * T + p - n0) * D;
@@ -240,7 +235,7 @@ struct Layer {
       }
       return;
     }
-    for (int64_t i = 0; i < D; ++i) dst[i] = half_to_float(src[i]);
+    kernels.load_f16(src, D, dst);
   }
 
   // Dense path for any T: fp32 blocks of K/V rows, causal mask. Queries go in tiles of kBlock
@@ -270,7 +265,7 @@ struct Layer {
             const int64_t st = hh * kBlock + t - t0;
             const float* q = a.q + ((h * group + hh) * T + t) * D;
             for (int j = 0; j < visible; ++j) s[j] = dot(q, kb + j * D, D);
-            softmax_block(a.config.scaling, s, visible, m[st], l[st], acc + st * D, D);
+            softmax_block(kScalarKernels, a.config.scaling, s, visible, m[st], l[st], acc + st * D, D);
             for (int j = 0; j < visible; ++j) axpy(acc + st * D, s[j], vb + j * D, D);
           }
         }
@@ -292,8 +287,8 @@ struct Layer {
     float* qsum = acc + group * D;
     float* kb = qsum + group * G;
     float* vb = kb + kBlock * D;
-    float* s = vb + kBlock * D;  // group * kBlock
-    float* weights = s + group * kBlock;  // group * (kBlock + 1) * G
+    float* s = vb + kBlock * D;  // group * kBodyBlock
+    float* weights = s + group * kBodyBlock;  // group * (kBodyBlock + 1) * G
     const float* q = a.q + h * group * D;  // the group's query heads are contiguous when T == 1
     std::fill(m, m + group, -std::numeric_limits<float>::infinity());
     std::fill(l, l + group, 0.0f);
@@ -310,13 +305,13 @@ struct Layer {
       for (int64_t b0 = from; b0 < to; b0 += kBlock) {
         const int n = int(std::min<int64_t>(kBlock, to - b0));
         for (int j = 0; j < n; ++j) {
-          load_row(kind[0], h, b0 + j, kb + j * D);
-          load_row(kind[1], h, b0 + j, vb + j * D);
+          load_row(kind[0], h, b0 + j, kb + j * D, kernels);
+          load_row(kind[1], h, b0 + j, vb + j * D, kernels);
         }
         for (int64_t hh = 0; hh < group; ++hh) {
-          for (int j = 0; j < n; ++j) s[j] = dot(q + hh * D, kb + j * D, D);
-          softmax_block(a.config.scaling, s, n, m[hh], l[hh], acc + hh * D, D);
-          for (int j = 0; j < n; ++j) axpy(acc + hh * D, s[j], vb + j * D, D);
+          for (int j = 0; j < n; ++j) s[j] = kernels.dot(q + hh * D, kb + j * D, D);
+          softmax_block(kernels, a.config.scaling, s, n, m[hh], l[hh], acc + hh * D, D);
+          for (int j = 0; j < n; ++j) kernels.axpy(acc + hh * D, s[j], vb + j * D, D);
         }
       }
     };
@@ -324,11 +319,11 @@ struct Layer {
     const int64_t tail_from = std::max(sink_end, n0 - W);  // first ring position (or the new token)
     dense(0, sink_end);
     const BodyView kbody = body(kind[0], h), vbody = body(kind[1], h);
-    for (int64_t r0 = 0; r0 < tail_from - sink_end; r0 += kBlock) {
-      const int n = int(std::min<int64_t>(kBlock, tail_from - sink_end - r0));
+    for (int64_t r0 = 0; r0 < tail_from - sink_end; r0 += kBodyBlock) {
+      const int n = int(std::min<int64_t>(kBodyBlock, tail_from - sink_end - r0));
       kernels.scores(kbody, r0, n, q, qsum, int(group), s);
       for (int64_t hh = 0; hh < group; ++hh)
-        softmax_block(a.config.scaling, s + hh * n, n, m[hh], l[hh], acc + hh * D, D);
+        softmax_block(kernels, a.config.scaling, s + hh * n, n, m[hh], l[hh], acc + hh * D, D);
       kernels.values(vbody, r0, n, s, int(group), acc, weights);
     }
     dense(tail_from, n0 + 1);
@@ -363,7 +358,7 @@ struct Layer {
 
   int64_t scratch_floats() const {
     const int64_t rows = 2 * kBlock * D;
-    if (fused()) return group * (2 + D + 2 * G + kBlock + kBlock * G) + rows;
+    if (fused()) return group * (2 + D + 2 * G + kBodyBlock + kBodyBlock * G) + rows;
     return kBlock * group * (2 + D) + rows + kBlock;
   }
 };
@@ -628,6 +623,33 @@ void scalar_values(const BodyView& b, int64_t row0, int n, const float* p, int h
 
 }  // namespace
 
-const BodyKernels kScalarKernels = {scalar_scores, scalar_values};
+float scalar_scale_max(float* s, int n, float scaling) {
+  float block_max = -std::numeric_limits<float>::infinity();
+  for (int j = 0; j < n; ++j) {
+    s[j] *= scaling;
+    block_max = std::max(block_max, s[j]);
+  }
+  return block_max;
+}
+
+float scalar_exp_sum(float* s, int n, float m) {
+  float sum = 0.0f;
+  for (int j = 0; j < n; ++j) {
+    s[j] = std::exp(s[j] - m);
+    sum += s[j];
+  }
+  return sum;
+}
+
+void scalar_load_f16(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+float scalar_dot(const float* a, const float* b, int64_t n) { return dot(a, b, n); }
+
+void scalar_axpy(float* acc, float w, const float* x, int64_t n) { axpy(acc, w, x, n); }
+
+const BodyKernels kScalarKernels = {scalar_scores,  scalar_values,   scalar_scale_max, scalar_exp_sum,
+                                    scalar_load_f16, scalar_dot,     scalar_axpy};
 
 }  // namespace oscar

@@ -33,7 +33,21 @@ struct BodyKernels {
                  float* scores);
   // acc[h*head_dim + i] += sum_j p[h*n + j] * dequant(row0 + j)[i]; scratch holds (n+1)*heads*groups floats.
   void (*values)(const BodyView& body, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch);
+  // Online softmax pieces: s[j] *= scaling, returning the max; then s[j] = exp(s[j] - m), returning the sum.
+  float (*scale_max)(float* s, int n, float scaling);
+  float (*exp_sum)(float* s, int n, float m);
+  // The fp16 windows of a decode step: dst[i] = src[i] as fp32; dot product; acc += w * x.
+  void (*load_f16)(const uint16_t* src, int64_t n, float* dst);
+  float (*dot)(const float* a, const float* b, int64_t n);
+  void (*axpy)(float* acc, float w, const float* x, int64_t n);
 };
+
+// The portable pieces, shared by the scalar and NEON kernel sets.
+float scalar_scale_max(float* s, int n, float scaling);
+float scalar_exp_sum(float* s, int n, float m);
+void scalar_load_f16(const uint16_t* src, int64_t n, float* dst);
+float scalar_dot(const float* a, const float* b, int64_t n);
+void scalar_axpy(float* acc, float w, const float* x, int64_t n);
 
 extern const BodyKernels kScalarKernels;
 #if defined(OSCAR_HAVE_AVX2)

@@ -105,6 +105,7 @@ struct Neon {
 
 }  // namespace
 
-const BodyKernels kNeonKernels = {fused_scores<Neon>, fused_values<Neon>};
+const BodyKernels kNeonKernels = {fused_scores<Neon>, fused_values<Neon>, scalar_scale_max, scalar_exp_sum,
+                                  scalar_load_f16,     scalar_dot,         scalar_axpy};
 
 }  // namespace oscar
