@@ -169,6 +169,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         # Built by the set-up (or on first use); ExecuTorch kernels arrive with the android target.
         "native_op_libraries": {"onnxruntime": (native_build / ORT_LIBRARY).is_file(), "executorch": False},
         "targets": {target: available(target) for target in TARGETS},
+        # What `run --runtime` offers for a laptop artifact, and what each costs.
+        "laptop_runtimes": {"onnxruntime": "native OscarAttention op library (fused 2-bit decode kernels)",
+                            "onnx-fallback": "stock ONNX Runtime, no native library: the op runs as a "
+                                             "pure-ONNX function and the cache is copied every step (slower)"},
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -183,6 +187,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         table.add_row(f"native ops for {name}", "built" if ok else "not built yet")
     for name, ok in info["targets"].items():
         table.add_row(f"target {name}", "available" if ok else "not available yet")
+    for name, text in info["laptop_runtimes"].items():
+        table.add_row(f"laptop runtime {name}", text)
     out.print(table)
     return 0
 
