@@ -97,6 +97,23 @@ def test_cache_after_prefill_equals_the_reference(float_artifact, reference, pro
             assert np.allclose(have, want, rtol=2**-10, atol=1e-4), f"{kind}_{region}"
 
 
+def test_a_decode_step_writes_one_token_in_place(float_artifact, prompt):
+    """No per-step copy of the cache: the host's buffers are the op's, and a step changes one token's bytes."""
+    lm = OrtLM(float_artifact, "onnxruntime", threads=1)
+    lm.prefill(prompt)
+    buffers = lm.cache_arrays()
+    before = {name: a.copy() for name, a in buffers.items()}
+    lm.step([prompt[-1]])
+    assert all(lm.cache_arrays()[name] is a for name, a in buffers.items())
+    changed = sum(int((a.view(np.uint8) != before[name].view(np.uint8)).sum()) for name, a in buffers.items())
+    layers, kv_heads, head_dim, groups = 4, 2, 64, 1
+    # The ring is full: per layer, kind and KV head the new fp16 row enters the ring and the oldest
+    # ring row leaves for the body (2-bit codes and fp16 scale and zero).
+    per_step = layers * 2 * kv_heads * (2 * head_dim + head_dim * 2 // 8 + 2 * 2 * groups)
+    cache_bytes = sum(a.nbytes for a in buffers.values())
+    assert 0 < changed <= per_step < cache_bytes / 50, (changed, per_step, cache_bytes)
+
+
 def test_graph_layout(float_artifact):
     model = onnx.load(float_artifact / "model.onnx", load_external_data=False)
     ops = Counter((n.domain, n.op_type) for n in model.graph.node)
