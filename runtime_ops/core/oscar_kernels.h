@@ -5,6 +5,7 @@
 // + sum_t (p_t scale_t) level[c]. Callers pass validated, in-bounds views.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 namespace oscar {
@@ -61,6 +62,65 @@ extern const BodyKernels kNeonKernels;  // oscar_neon.cc
 // of (row0 + j, g); the zero terms sum_j p * zero (one per head and group) are added to acc.
 void body_value_weights(const BodyView& body, int64_t row0, int n, const float* p, int heads, float* acc,
                         float* scratch);
+
+// ---- planar path, shared by the SIMD kernel sets ---------------------------------------------
+// For uniform 2- and 4-bit codes, a group's packed bytes are spread to one byte per code in
+// "plane order": within a group, position k * seg + j holds the code of channel j * cpb + k
+// (cpb codes per byte, seg = cd / cpb bytes), so spreading is a shift and a mask per byte plane.
+// Query and accumulators are permuted to match. Scores run as integer dot products of u8 codes
+// with the query split into int8 terms (SplitQuery). Unnamed namespace: each kernel file gets
+// its own copy, compiled with its own ISA flags.
+namespace {
+
+constexpr int kPlanarMaxDim = 128;  // one block's spread codes (at most 32 KiB) live on the stack
+constexpr int kPlanarRows = 256;    // the driver's decode block
+
+inline int min_int(int a, int b) { return a < b ? a : b; }
+
+inline bool planar(const BodyView& b) {
+  if ((b.bits != 2 && b.bits != 4) || b.head_dim > kPlanarMaxDim) return false;
+  for (int i = 0; i < (1 << b.bits); ++i)
+    if (b.levels[i] != float(i)) return false;
+  return true;
+}
+
+// Channel of plane-order position p (same group). cluster_dim and codes per byte are powers of two.
+inline int plane_channel(int p, int bits, int cluster_dim) {
+  const int cpb_log = bits == 2 ? 2 : 1, seg_log = __builtin_ctz(unsigned(cluster_dim)) - cpb_log;
+  const int r = p & (cluster_dim - 1);
+  return (p - r) + ((r & ((1 << seg_log) - 1)) << cpb_log) + (r >> seg_log);
+}
+
+// The query split into three int8 terms per group, in plane order:
+// q ~ s[0] * t[0] + s[1] * t[1] + s[2] * t[2] with s[i+1] = s[i] / 254, so each term holds the
+// rounding residual of the ones before it; what is left is below max|q| / 2^24 per element, the
+// rounding of the fp32 reference itself.
+constexpr int kTerms = 3;
+
+struct SplitQuery {
+  alignas(32) int8_t t[kTerms][kPlanarMaxDim];
+  float s[kTerms][kPlanarMaxDim / 32];
+
+  void set(const float* q, int bits, int head_dim, int cd) {
+    for (int g = 0; g < head_dim / cd; ++g) {
+      float amax = 0.0f;
+      for (int i = g * cd; i < (g + 1) * cd; ++i) amax = std::fabs(q[i]) > amax ? std::fabs(q[i]) : amax;
+      s[0][g] = amax / 127.0f;
+      for (int i = 1; i < kTerms; ++i) s[i][g] = s[i - 1][g] / 254.0f;  // |residual| <= s[i-1]/2 = 127 s[i]
+      for (int p = g * cd; p < (g + 1) * cd; ++p) {
+        float x = q[plane_channel(p, bits, cd)];
+        for (int i = 0; i < kTerms; ++i) {
+          float r = s[i][g] > 0.0f ? std::nearbyint(x / s[i][g]) : 0.0f;
+          r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
+          t[i][p] = int8_t(r);
+          x -= r * s[i][g];
+        }
+      }
+    }
+  }
+};
+
+}  // namespace
 
 // A SIMD kernel set is a class template Impl<BITS, NH> with static scores() and values() for NH
 // (1..4) query heads at a time, so each unpacked word feeds NH register accumulators. These

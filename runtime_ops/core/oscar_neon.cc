@@ -103,9 +103,130 @@ struct Neon {
   }
 };
 
+// ---- planar path (oscar_kernels.h): uniform 2- and 4-bit codes --------------------------------
+
+// One group's codes (cd / (8 / BITS) bytes at src) in plane order, as cd / 16 byte vectors.
+template <int BITS>
+inline void expand_group(const uint8_t* src, int cd, uint8x16_t* out) {
+  constexpr int cpb = 8 / BITS;
+  const uint8x16_t mask = vdupq_n_u8((1 << BITS) - 1);
+  const int seg = cd / cpb;
+  if (seg == 8) {  // 2-bit codes in groups of 32: four 8-byte planes
+    const uint8x8_t x = vld1_u8(src), m = vget_low_u8(mask);
+    out[0] = vcombine_u8(vand_u8(x, m), vand_u8(vshr_n_u8(x, 2), m));
+    out[1] = vcombine_u8(vand_u8(vshr_n_u8(x, 4), m), vshr_n_u8(x, 6));
+    return;
+  }
+  const int pieces = seg / 16;
+  for (int i = 0; i < pieces; ++i) {
+    const uint8x16_t x = vld1q_u8(src + 16 * i);
+    for (int k = 0; k < cpb; ++k)  // a negative count shifts right
+      out[k * pieces + i] = vandq_u8(vshlq_u8(x, vdupq_n_s8(int8_t(-BITS * k))), mask);
+  }
+}
+
+// Dot of one row's expanded group with the int8 query terms: u8 codes (< 16) read as s8.
+inline float group_dot(const uint8x16_t* c, int vectors, const SplitQuery& sq, int g, int cd) {
+  float dot = 0.0f;
+  for (int i = kTerms - 1; i >= 0; --i) {  // smallest term first
+    const int8_t* t = sq.t[i] + g * cd;
+    int32x4_t acc = vdupq_n_s32(0);
+    for (int o = 0; o < vectors; ++o) {
+      const int8x16_t x = vreinterpretq_s8_u8(c[o]), y = vld1q_s8(t + 16 * o);
+      acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(x), vget_low_s8(y)));
+      acc = vpadalq_s16(acc, vmull_high_s8(x, y));
+    }
+    dot += float(vaddvq_s32(acc)) * sq.s[i][g];
+  }
+  return dot;
+}
+
+template <int BITS>
+void planar_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads,
+                   float* scores) {
+  const int D = b.head_dim, cd = b.cluster_dim, G = b.groups, group_bytes = cd * BITS / 8, code_bytes = D * BITS / 8;
+  SplitQuery sq[4];
+  for (int h0 = 0; h0 < heads; h0 += 4) {
+    const int nh = min_int(4, heads - h0);
+    for (int k = 0; k < nh; ++k) sq[k].set(q + (h0 + k) * D, BITS, D, cd);
+    for (int j = 0; j < n; ++j) {
+      const int64_t row = row0 + j;
+      float score[4] = {};
+      for (int g = 0; g < G; ++g) {
+        uint8x16_t c[8];
+        expand_group<BITS>(b.codes + row * code_bytes + g * group_bytes, cd, c);
+        const float s = half_to_float(b.scale[row * G + g]), z = half_to_float(b.zero[row * G + g]);
+        for (int k = 0; k < nh; ++k) score[k] += s * group_dot(c, cd / 16, sq[k], g, cd) + z * qsum[(h0 + k) * G + g];
+      }
+      for (int k = 0; k < nh; ++k) scores[(h0 + k) * n + j] = score[k];
+    }
+  }
+}
+
+// Channel-major over plane positions, as in oscar_avx2.cc; weights from body_value_weights.
+template <int BITS, int NH>
+void planar_values_heads(const BodyView& b, const uint8_t* codes, int n, int heads, int h0, float* acc,
+                         const float* weights) {
+  const int D = b.head_dim, cd = b.cluster_dim, G = b.groups;
+  for (int p0 = 0; p0 < D; p0 += 8) {
+    const int g = p0 / cd;
+    float32x4_t a0[NH], a1[NH];
+    for (int k = 0; k < NH; ++k) a0[k] = a1[k] = vdupq_n_f32(0.0f);
+    for (int j = 0; j < n; ++j) {
+      const uint16x8_t c = vmovl_u8(vld1_u8(codes + j * D + p0));
+      const float32x4_t lo = vcvtq_f32_u32(vmovl_u16(vget_low_u16(c))), hi = vcvtq_f32_u32(vmovl_high_u16(c));
+      const float* wj = weights + (int64_t(j) * heads + h0) * G + g;
+      for (int k = 0; k < NH; ++k) {
+        a0[k] = vfmaq_n_f32(a0[k], lo, wj[k * G]);
+        a1[k] = vfmaq_n_f32(a1[k], hi, wj[k * G]);
+      }
+    }
+    for (int k = 0; k < NH; ++k) {
+      float t[8];
+      vst1q_f32(t, a0[k]);
+      vst1q_f32(t + 4, a1[k]);
+      float* dst = acc + (h0 + k) * D;
+      for (int l = 0; l < 8; ++l) dst[plane_channel(p0 + l, BITS, cd)] += t[l];
+    }
+  }
+}
+
+template <int BITS>
+void planar_values(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch) {
+  const int D = b.head_dim, cd = b.cluster_dim, group_bytes = cd * BITS / 8, code_bytes = D * BITS / 8;
+  body_value_weights(b, row0, n, p, heads, acc, scratch);
+  alignas(16) uint8_t codes[kPlanarRows * kPlanarMaxDim];
+  for (int j = 0; j < n; ++j)
+    for (int g = 0; g < D / cd; ++g) {
+      uint8x16_t c[8];
+      expand_group<BITS>(b.codes + (row0 + j) * code_bytes + g * group_bytes, cd, c);
+      for (int i = 0; i < cd / 16; ++i) vst1q_u8(codes + j * D + g * cd + 16 * i, c[i]);
+    }
+  for (int h0 = 0; h0 < heads; h0 += 4) {
+    switch (min_int(4, heads - h0)) {
+      case 1: planar_values_heads<BITS, 1>(b, codes, n, heads, h0, acc, scratch); break;
+      case 2: planar_values_heads<BITS, 2>(b, codes, n, heads, h0, acc, scratch); break;
+      case 3: planar_values_heads<BITS, 3>(b, codes, n, heads, h0, acc, scratch); break;
+      default: planar_values_heads<BITS, 4>(b, codes, n, heads, h0, acc, scratch); break;
+    }
+  }
+}
+
+void neon_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads, float* scores) {
+  if (n > kPlanarRows || !planar(b)) return fused_scores<Neon>(b, row0, n, q, qsum, heads, scores);
+  if (b.bits == 2) return planar_scores<2>(b, row0, n, q, qsum, heads, scores);
+  planar_scores<4>(b, row0, n, q, qsum, heads, scores);
+}
+
+void neon_values(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch) {
+  if (n > kPlanarRows || !planar(b)) return fused_values<Neon>(b, row0, n, p, heads, acc, scratch);
+  if (b.bits == 2) return planar_values<2>(b, row0, n, p, heads, acc, scratch);
+  planar_values<4>(b, row0, n, p, heads, acc, scratch);
+}
+
 }  // namespace
 
-const BodyKernels kNeonKernels = {fused_scores<Neon>, fused_values<Neon>, scalar_scale_max, scalar_exp_sum,
-                                  scalar_load_f16,     scalar_dot,         scalar_axpy};
+const BodyKernels kNeonKernels = {neon_scores,     neon_values, scalar_scale_max, scalar_exp_sum,
+                                  scalar_load_f16, scalar_dot,  scalar_axpy};
 
 }  // namespace oscar
