@@ -1,15 +1,17 @@
-"""Build the native kernels in runtime_ops/ (C++ core, ONNX Runtime op library) with CMake.
+"""Build the native kernels in runtime_ops/ (C++ core, ONNX Runtime and ExecuTorch op libraries) with CMake.
 
 build_native() configures and builds into build/native[-asan|-aarch64] at the repository root;
 a second call with nothing changed only asks the build tool, which returns at once. The ONNX
 Runtime library needs the ORT C/C++ headers, which the pip wheel lacks:
-runtime_ops/onnxruntime/fetch_ort_headers.sh fetches them (or honours ORT_INCLUDE_DIR).
+runtime_ops/onnxruntime/fetch_ort_headers.sh fetches them (or honours ORT_INCLUDE_DIR). The
+ExecuTorch library builds against the installed executorch wheel's headers and libexecutorch.so.
 """
 
 from __future__ import annotations
 
 import fcntl
 import functools
+import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,6 +23,8 @@ SOURCES = ROOT / "runtime_ops"
 TARGETS = (None, "aarch64")
 BUILD_JOBS = "2"  # the build shares small machines; more jobs buy little for five files
 ORT_LIBRARY = "liboscar_ort.so"
+EXECUTORCH_LIBRARY = "liboscar_executorch.so"
+EXECUTORCH_INVOKE = "liboscar_et_invoke.so"  # test hook: calls the registered kernel on raw buffers
 CORE_LIBRARY = "liboscar_core_c.so"
 CORE_TEST = "oscar_core_test"
 
@@ -44,11 +48,23 @@ def ort_include_dir() -> tuple[Path | None, str]:
     return Path(out.strip().splitlines()[-1]), ""
 
 
+def executorch_dir() -> tuple[Path | None, str]:
+    """(the installed executorch package, "") or (None, why the ExecuTorch library cannot be built)."""
+    spec = importlib.util.find_spec("executorch")
+    if spec is None or not spec.submodule_search_locations:
+        return None, "the executorch package is not installed (pip install -e '.[android]')"
+    root = Path(list(spec.submodule_search_locations)[0])
+    if not (root / "lib" / "libexecutorch.so").is_file() or not (root / "include" / "executorch").is_dir():
+        return None, f"{root} has no lib/libexecutorch.so or include/executorch: expected an executorch wheel >= 1.0"
+    return root, ""
+
+
 def build_native(build_dir: str | Path | None = None, sanitize: bool = False, target: str | None = None) -> Path:
     """Configure and build runtime_ops/ and return the build directory.
 
     sanitize: AddressSanitizer + UndefinedBehaviorSanitizer build (core, C API, test executable).
-    target: None for this machine (adds liboscar_ort.so when ORT headers are available), or
+    target: None for this machine (adds liboscar_ort.so when ORT headers are available and
+    liboscar_executorch.so when the executorch wheel is installed; sanitize builds include the latter), or
     "aarch64" to cross-compile with aarch64-linux-gnu-g++ (run the test binary under qemu-aarch64).
     """
     if target not in TARGETS:
@@ -67,9 +83,12 @@ def build_native(build_dir: str | Path | None = None, sanitize: bool = False, ta
         if shutil.which("aarch64-linux-gnu-g++") is None:
             raise RuntimeError("aarch64-linux-gnu-g++ not found: install the Debian package g++-aarch64-linux-gnu")
         args.append(f"-DCMAKE_TOOLCHAIN_FILE={SOURCES / 'cmake' / 'aarch64-linux-gnu.cmake'}")
-    elif not sanitize:
-        include, _ = ort_include_dir()
-        args.append(f"-DORT_INCLUDE_DIR={include or ''}")
+    else:
+        if not sanitize:
+            include, _ = ort_include_dir()
+            args.append(f"-DORT_INCLUDE_DIR={include or ''}")
+        et_root, _ = executorch_dir()
+        args.append(f"-DEXECUTORCH_DIR={et_root or ''}")
     if shutil.which("ninja"):
         args.append("-GNinja")
 
@@ -98,3 +117,14 @@ def ort_library_path(build_dir: str | Path | None = None) -> Path:
         raise RuntimeError(f"{ORT_LIBRARY} was not built: the ONNX Runtime headers are unavailable.\n{why}")
     return path
 
+
+
+def executorch_library_path(build_dir: str | Path | None = None, sanitize: bool = False) -> Path:
+    """liboscar_executorch.so (the oscar::attention.out kernel) to load before a program, built if needed."""
+    root, why = executorch_dir()
+    if root is None:
+        raise RuntimeError(f"{EXECUTORCH_LIBRARY} cannot be built: {why}")
+    path = build_native(build_dir, sanitize=sanitize) / EXECUTORCH_LIBRARY
+    if not path.is_file():
+        raise RuntimeError(f"{EXECUTORCH_LIBRARY} was not built in {path.parent}")
+    return path
