@@ -174,6 +174,27 @@ inline __m256i hsum8_epi32(const __m256i* v) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, c, 0x20), _mm256_permute2x128_si256(a, c, 0x31));
 }
 
+// out[g * stride + j] = v[j * G + g] as fp32 for rows j < n, zero up to the next multiple of 8:
+// a block's fp16 scales (or zeros) regrouped so each group's rows are contiguous.
+inline void rows_by_group(const uint16_t* v, int n, int G, float* out, int stride) {
+  const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(G));
+  for (int j0 = 0; j0 < n; j0 += 8) {
+    const int rows = min_int(8, n - j0);
+    if (rows == 8 && G == 1) {
+      _mm256_storeu_ps(out + j0, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j0))));
+      continue;
+    }
+    alignas(32) float t[8 * (kPlanarMaxDim / 32)] = {};
+    if (rows == 8) {
+      for (int i = 0; i < G; ++i)
+        _mm256_store_ps(t + 8 * i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j0 * G + 8 * i))));
+    } else {
+      for (int i = 0; i < rows * G; ++i) t[i] = _cvtsh_ss(v[j0 * G + i]);
+    }
+    for (int g = 0; g < G; ++g) _mm256_storeu_ps(out + g * stride + j0, _mm256_i32gather_ps(t + g, idx, 4));
+  }
+}
+
 // Scores of NH query heads over 8-row chunks: per row and group, the codes are expanded once and
 // dotted with every head's terms; 8 rows' int32 lanes are reduced together.
 template <int BITS, int NH>
@@ -181,8 +202,9 @@ void planar_scores_heads(const BodyView& b, int64_t row0, int n, const SplitQuer
                          float* scores) {
   const int D = b.head_dim, cd = b.cluster_dim, G = b.groups, group_bytes = cd * BITS / 8, code_bytes = D * BITS / 8;
   const uint8_t* codes = b.codes + row0 * code_bytes;
-  const uint16_t* scale = b.scale + row0 * G;
-  const uint16_t* zero = b.zero + row0 * G;
+  alignas(32) float scale[kPlanarMaxDim / 32][kPlanarRows], zero[kPlanarMaxDim / 32][kPlanarRows];
+  rows_by_group(b.scale + row0 * G, n, G, scale[0], kPlanarRows);
+  rows_by_group(b.zero + row0 * G, n, G, zero[0], kPlanarRows);
   const __m256i ones = _mm256_set1_epi16(1);
   for (int j0 = 0; j0 < n; j0 += 8) {
     const int rows = min_int(8, n - j0);
@@ -207,16 +229,7 @@ void planar_scores_heads(const BodyView& b, int64_t row0, int n, const SplitQuer
             dots[k][i][r] = _mm256_madd_epi16(m, ones);
           }
       }
-      __m256 s8, z8;
-      if (rows == 8 && G == 1) {
-        s8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + j0)));
-        z8 = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zero + j0)));
-      } else {
-        alignas(16) uint16_t s16[8] = {}, z16[8] = {};  // the rows' fp16 scale and zero of group g
-        for (int r = 0; r < rows; ++r) s16[r] = scale[(j0 + r) * G + g], z16[r] = zero[(j0 + r) * G + g];
-        s8 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(s16)));
-        z8 = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(z16)));
-      }
+      const __m256 s8 = _mm256_load_ps(scale[g] + j0), z8 = _mm256_load_ps(zero[g] + j0);
       for (int k = 0; k < NH; ++k) {
         __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(dots[k][kTerms - 1])), _mm256_set1_ps(sq[k].s[kTerms - 1][g]));
         for (int i = kTerms - 2; i >= 0; --i)  // smallest term first
@@ -294,44 +307,29 @@ void planar_values_heads(const BodyView& b, const uint8_t* codes, int n, int h0,
 // zero terms sum_j p[h * n + j] * zero of (row0 + j, g) on every channel of group g.
 void planar_weights(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* weights) {
   const int D = b.head_dim, cd = b.cluster_dim, G = b.groups;
-  const uint16_t* scale = b.scale + row0 * G;
-  const uint16_t* zero = b.zero + row0 * G;
+  alignas(32) float scale[kPlanarMaxDim / 32][kPlanarRows], zero[kPlanarMaxDim / 32][kPlanarRows];
+  rows_by_group(b.scale + row0 * G, n, G, scale[0], kPlanarRows);
+  rows_by_group(b.zero + row0 * G, n, G, zero[0], kPlanarRows);
   for (int h = 0; h < heads; ++h)
     for (int g = 0; g < G; ++g) {
       float* w = weights + int64_t(h * G + g) * n;
+      const float* ph = p + h * n;
       __m256 zsum = _mm256_setzero_ps();
-      for (int j0 = 0; j0 < n; j0 += 8) {
-        const int rows = min_int(8, n - j0);
-        __m256 pv, sv, zv;
-        if (rows == 8 && G == 1) {  // head_dim == cluster_dim: the rows' scales are contiguous
-          pv = _mm256_loadu_ps(p + h * n + j0);
-          sv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + j0)));
-          zv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(zero + j0)));
-        } else {
-          alignas(16) uint16_t s16[8] = {}, z16[8] = {};
-          alignas(32) float p8[8] = {};
-          for (int r = 0; r < rows; ++r) {
-            s16[r] = scale[(j0 + r) * G + g], z16[r] = zero[(j0 + r) * G + g];
-            p8[r] = p[h * n + j0 + r];
-          }
-          pv = _mm256_load_ps(p8);
-          sv = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(s16)));
-          zv = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(z16)));
-        }
-        const __m256 wv = _mm256_mul_ps(pv, sv);
-        zsum = _mm256_fmadd_ps(pv, zv, zsum);
-        if (rows == 8) {
-          _mm256_storeu_ps(w + j0, wv);
-        } else {
-          alignas(32) float t[8];
-          _mm256_store_ps(t, wv);
-          for (int r = 0; r < rows; ++r) w[j0 + r] = t[r];
-        }
+      int j = 0;
+      for (; j + 8 <= n; j += 8) {
+        const __m256 pv = _mm256_loadu_ps(ph + j);
+        _mm256_storeu_ps(w + j, _mm256_mul_ps(pv, _mm256_load_ps(scale[g] + j)));
+        zsum = _mm256_fmadd_ps(pv, _mm256_load_ps(zero[g] + j), zsum);
       }
-      const __m256 z = _mm256_set1_ps(hsum(zsum));
+      float z = hsum(zsum);
+      for (; j < n; ++j) {
+        w[j] = ph[j] * scale[g][j];
+        z += ph[j] * zero[g][j];
+      }
+      const __m256 zv = _mm256_set1_ps(z);
       for (int i = 0; i < cd; i += 8) {
         float* dst = acc + h * D + g * cd + i;
-        _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), z));
+        _mm256_storeu_ps(dst, _mm256_add_ps(_mm256_loadu_ps(dst), zv));
       }
     }
 }
