@@ -1,0 +1,199 @@
+"""Core ML conversion of OscarCausalLM (the ios target): an ML program for iOS 18 / macOS 15.
+
+The shared module (graph.py, functional=True) is traced with torch.export while RowsComposition
+turns each oscar op into standard ops (coreml_ops.py), then converted with coremltools.
+
+Model I/O (docs/ios.md): inputs `input_ids` int32 [1, T] (T = 1 .. max_chunk), `length` int32 [1],
+and per layer the cache `layer{i}_k_sink` ... `layer{i}_v_zero` (codes as int32 words, the rest
+fp16, static shapes); outputs `logits` fp32 [1, 1, vocab] and per layer the rows the chunk adds,
+`layer{i}_k_new` ... `layer{i}_v_body_zero`, which the host writes into its buffers.
+
+The whole program computes in fp32: coremltools' fp16 pass would also reach the quantizer, whose
+codes must be bit-exact (format.md section 3), and every op on packed words is integer
+(`packed_float_ops` checks the converted program).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..cache import KINDS
+from ..config import OscarInputError
+from .coreml_ops import ROW_NAMES, RowsComposition, register_coreml_ops
+from .graph import OscarCausalLM
+
+MODEL_FILE = "model.mlpackage"
+WEIGHT_BLOCK = 32  # input channels per 4-bit weight scale
+_NUMPY = {torch.float16: np.float16, torch.int32: np.int32}
+
+
+def cache_inputs(module: OscarCausalLM, max_context: int) -> list[tuple[str, tuple[int, ...], type]]:
+    """(name, shape, numpy dtype) of every cache input: graph.py's layout with codes as int32 words."""
+    out = []
+    for name, shape, dtype in module.cache_spec(max_context):
+        if dtype == torch.uint8:  # D*bits/8 bytes, a multiple of 4 since cluster_dim >= 32 divides D
+            shape, dtype = (*shape[:-1], shape[-1] // 4), torch.int32
+        out.append((name.replace(".", "_"), shape, _NUMPY[dtype]))
+    return out
+
+
+def output_names(layers: int) -> list[str]:
+    return ["logits", *(f"layer{i}_{name}" for i in range(layers) for name in ROW_NAMES)]
+
+
+def check_layout(module: OscarCausalLM, max_context: int) -> None:
+    """Core ML cannot take zero-sized inputs: every cache region needs slots."""
+    cfg = module.config
+    if cfg.sink <= 0 or cfg.recent <= 0:
+        raise OscarInputError(f"sink={cfg.sink}, recent={cfg.recent}: the ios target needs both windows > 0 "
+                              "(Core ML inputs cannot be empty)")
+    if max_context <= cfg.sink + cfg.recent:
+        raise OscarInputError(f"--context {max_context} leaves no packed body: expected more than sink + recent = "
+                              f"{cfg.sink + cfg.recent} tokens")
+
+
+def trace(module: OscarCausalLM, max_context: int, max_chunk: int) -> torch.export.ExportedProgram:
+    """torch.export of the module with the oscar ops composed of standard ops, T dynamic."""
+    check_layout(module, max_context)
+    cache = [torch.zeros(shape, dtype={np.float16: torch.float16, np.int32: torch.int32}[dtype])
+             for _, shape, dtype in cache_inputs(module, max_context)]
+    example = (torch.zeros(1, min(8, max_chunk), dtype=torch.int32), torch.zeros(1, dtype=torch.int32), *cache)
+    chunk = torch.export.Dim("T", min=1, max=max_chunk)
+    functional = module.functional
+    module.functional = True
+    try:
+        with torch.no_grad(), RowsComposition():
+            # Shape guards become runtime asserts instead of export errors: they only restate 1 <= T.
+            program = torch.export.export(module, example, dynamic_shapes=({1: chunk}, None, (None,) * len(cache)),
+                                          prefer_deferred_runtime_asserts_over_guards=True)
+    finally:
+        module.functional = functional
+    program = program.run_decompositions({})
+    graph = program.graph
+    for node in list(graph.nodes):  # Core ML has no assert op; the asserts only check T >= 1
+        if node.target is torch.ops.aten._assert_scalar.default:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    program.graph_module.recompile()
+    return program
+
+
+def unsupported_ops(program: torch.export.ExportedProgram) -> list[str]:
+    """'op (in module path)' for every node coremltools' torch frontend cannot convert."""
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY
+    from coremltools.converters.mil.frontend.torch.utils import sanitize_op_kind
+
+    register_coreml_ops()
+    found = []
+    for node in program.graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        kind = target.name() if hasattr(target, "name") else getattr(target, "__name__", str(target))
+        if sanitize_op_kind(kind) in _TORCH_OPS_REGISTRY:
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        where = list(stack.values())[-1][0] if stack else "the model's top level"
+        found.append(f"{kind} (in {where})")
+    return list(dict.fromkeys(found))
+
+
+def convert(module: OscarCausalLM, max_context: int, max_chunk: int, float_weights: bool = False,
+            compute_precision=None):
+    """The Core ML model (coremltools MLModel, not yet saved). compute_precision: fp32 unless given."""
+    import coremltools as ct
+
+    program = trace(module, max_context, max_chunk)
+    bad = unsupported_ops(program)
+    if bad:
+        raise OscarInputError(f"the model has operations Core ML cannot convert: {', '.join(bad)}: expected a "
+                              "Llama, Qwen2, Qwen3 or Mistral decoder built from standard layers")
+    names = [name for name, _, _ in cache_inputs(module, max_context)]
+    outputs = output_names(len(module.layers))
+    precision = ct.precision.FLOAT32 if compute_precision is None else compute_precision
+    mil = ct.convert(program, convert_to="milinternal", minimum_deployment_target=ct.target.iOS18,
+                     compute_precision=precision, outputs=[ct.TensorType(name=name) for name in outputs])
+    # Feature names the app uses: the frontend names inputs after forward's arguments (cache_0 ...).
+    main = mil.functions["main"]
+    renamed = dict(zip([f"cache_{i}" for i in range(len(names))], names))
+    for old in list(main._input_dict):
+        var = main._input_dict.pop(old)
+        var.name = renamed.get(old, old)
+        main._input_dict[var.name] = var
+    model = ct.convert(mil, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
+                       compute_precision=precision, pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True)
+    if not float_weights:
+        model = compress_weights(model)
+    return model
+
+
+def compress_weights(model):
+    """4-bit weights: linear quantization per block of WEIGHT_BLOCK input channels (iOS 18 blockwise ops)."""
+    import coremltools.optimize.coreml as cto
+
+    op = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4", granularity="per_block",
+                                     block_size=WEIGHT_BLOCK, weight_threshold=2048)
+    return cto.linear_quantize_weights(model, cto.OptimizationConfig(global_config=op))
+
+
+# -- the fp16 check ---------------------------------------------------------------------------------
+
+_INTEGER = ("int32", "int16", "int8", "uint16", "uint8", "bool")
+_DATA_INPUTS = ("x", "y", "a", "b", "values", "data")
+
+
+def _dtype(var) -> str:
+    from coremltools.converters.mil.mil import types
+
+    return types.builtin_to_string(var.dtype)
+
+
+def packed_float_ops(mil_program, packed_inputs, packed_outputs) -> list[str]:
+    """Operations on packed data that compute in floating point: 'op_type name (dtypes)'.
+
+    Packed data: the packed-word inputs and everything derived from them up to the unpacked codes
+    (a gather's indices: what it gathers is level values, no longer packed), and on the way out
+    every op that the packed-word outputs are computed from, back to the threshold comparisons
+    whose bool results start the codes. fp16 holds integers exactly only below 2048 and fp32 below
+    2^24; a packed word has 32 bits, so any float op there corrupts codes.
+    """
+    main = mil_program.functions["main"]
+    tainted, ops = {main.inputs[name].name for name in packed_inputs}, []
+    for op in main.operations:
+        uses = {key for key, var in op.inputs.items()
+                if any(v.name in tainted for v in (var if isinstance(var, (list, tuple)) else [var]))}
+        if uses and not (op.op_type == "gather" and uses == {"indices"}):
+            ops.append(op)
+            tainted.update(out.name for out in op.outputs)
+    producers = {out.name: op for op in main.operations for out in op.outputs}
+    wanted = {var.name for var in main.outputs if var.name in set(packed_outputs)}
+    seen, stack = set(), [producers[name] for name in wanted if name in producers]
+    while stack:
+        op = stack.pop()
+        if id(op) in seen:
+            continue
+        seen.add(id(op))
+        ops.append(op)
+        for key, var in op.inputs.items():
+            if key not in _DATA_INPUTS:  # shapes, axes, slice bounds: not values of the packed data
+                continue
+            for v in var if isinstance(var, (list, tuple)) else [var]:
+                if v.name in producers and _dtype(v) != "bool" and producers[v.name].op_type != "const":
+                    stack.append(producers[v.name])
+    found = []
+    for op in dict.fromkeys(ops):
+        dtypes = sorted(({_dtype(v) for var in op.inputs.values()
+                          for v in (var if isinstance(var, (list, tuple)) else [var])}
+                         | {_dtype(v) for v in op.outputs}) - {"string"})  # string: an attribute (cast's dtype)
+        if any(d not in _INTEGER for d in dtypes):
+            found.append(f"{op.op_type} {op.name} ({', '.join(dtypes)})")
+    return found
+
+
+def packed_names(layers: int) -> tuple[list[str], list[str]]:
+    """(packed-word input names, packed-word output names) of a converted model."""
+    inputs = [f"layer{i}_{kind}_codes" for i in range(layers) for kind in KINDS]
+    outputs = [f"layer{i}_{kind}_body_codes" for i in range(layers) for kind in KINDS]
+    return inputs, outputs
+

@@ -1,0 +1,238 @@
+"""oscar::attention as a composition of standard ops that Core ML can run, packed words in int32.
+
+Core ML ML programs have no custom kernels, so each layer's attention is traced as plain tensor
+ops (`attention_rows`). Two Core ML constraints shape it (../docs/ios.md):
+
+- Packed codes travel as int32 words (the format's little-endian bytes, 4 to a word): uint8 is not
+  a Core ML input type, and every op on them stays integer. coremltools converts `torch.div(...,
+  rounding_mode="floor")` through fp32 (and its fp16 pass then makes it fp16, exact only below
+  2048), so the one integer division used here is the custom op `oscar::int_floor_div`, which
+  `register_coreml_ops` maps to MIL `floor_div` on int32. Operands are kept non-negative, so
+  floor and truncating division agree.
+- A Core ML model cannot write its inputs and its states are fp16 only. So the cache is an input
+  and the outputs are the rows a chunk adds: its fp16 K/V (for the sink and the recent ring) and
+  the packed body rows of the positions that leave the ring. The host writes them into its buffers
+  by the placement rule (`apply_rows`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ..cache import KINDS
+
+INT32_MIN = -(2**31)
+# Per layer and kind, the outputs of attention_rows after `out`, in order.
+ROW_NAMES = ("k_new", "v_new", "k_body_codes", "k_body_scale", "k_body_zero", "v_body_codes", "v_body_scale",
+             "v_body_zero")
+
+_lib = torch.library.Library("oscar", "FRAGMENT")
+_lib.define("int_floor_div(Tensor x, Tensor divisor) -> Tensor")
+
+
+def _int_floor_div(x, divisor):
+    return torch.div(x, divisor, rounding_mode="floor")
+
+
+_lib.impl("int_floor_div", _int_floor_div, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("oscar::int_floor_div")
+def _(x, divisor):
+    return torch.empty(torch.broadcast_shapes(x.shape, divisor.shape), dtype=x.dtype, device=x.device)
+
+
+def register_coreml_ops() -> None:
+    """Teach coremltools' torch frontend oscar::int_floor_div: MIL floor_div on int32, no float cast."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.frontend.torch.ops import _get_inputs
+    from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY, register_torch_op
+
+    if "oscar::int_floor_div" in _TORCH_OPS_REGISTRY:
+        return
+
+    @register_torch_op(torch_alias=["oscar::int_floor_div"])
+    def oscar_int_floor_div(context, node):
+        x, divisor = _get_inputs(context, node, expected=2)
+        context.add(mb.floor_div(x=x, y=divisor, name=node.name))
+
+
+def _i32(values) -> torch.Tensor:
+    # Integer constants as int32 tensors: coremltools turns zeros_like/full_like and scalar
+    # operands of integer ops into fp32 fills.
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def _div(x: torch.Tensor, divisors) -> torch.Tensor:
+    return torch.ops.oscar.int_floor_div(x, _i32(divisors))
+
+
+# -- packing: format.md section 4, on int32 words -------------------------------------------------
+
+
+def words_to_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., n] -> their little-endian bytes as int32 0..255 [..., n, 4], without negative operands."""
+    neg = (words < 0).to(torch.int32)
+    low31 = words - neg * INT32_MIN  # bits 0..30, >= 0 (w + 2^31 for negative w: no overflow)
+    byte = torch.remainder(_div(low31.unsqueeze(-1), [1, 2**8, 2**16, 2**24]), 256)
+    return byte + neg.unsqueeze(-1) * _i32([0, 0, 0, 128])  # bit 31 is the top bit of byte 3
+
+
+def bytes_to_words(byte: torch.Tensor) -> torch.Tensor:
+    """int32 bytes 0..255 [..., 4n] -> int32 little-endian words [..., n] (two's complement, no overflow)."""
+    b = byte.reshape(*byte.shape[:-1], byte.shape[-1] // 4, 4)
+    top = b[..., 3] - (b[..., 3] >= 128).to(torch.int32) * 256  # -128..127
+    return b[..., 0] + b[..., 1] * 2**8 + b[..., 2] * 2**16 + top * 2**24
+
+
+def unpack_words(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words [..., D*bits/32] -> int32 codes [..., D]."""
+    byte = words_to_bytes(words).flatten(-2)
+    if bits == 3:  # 8 codes in 3 bytes: a 24-bit word, exact in int32
+        b = byte.reshape(*byte.shape[:-1], byte.shape[-1] // 3, 3)
+        word = (b[..., 0] + b[..., 1] * 2**8 + b[..., 2] * 2**16).unsqueeze(-1)
+        codes = torch.remainder(_div(word, [8**j for j in range(8)]), 8)
+    else:  # 2 and 4 bits: whole codes inside each byte, low bits first
+        codes = torch.remainder(_div(byte.unsqueeze(-1), [2 ** (bits * j) for j in range(8 // bits)]), 2**bits)
+    return codes.flatten(-2)
+
+
+def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 codes [..., D] -> int32 words [..., D*bits/32]."""
+    if bits == 3:
+        c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 8, 8)
+        word = c[..., 0]
+        for j in range(1, 8):
+            word = word + c[..., j] * 8**j
+        byte = torch.remainder(_div(word.unsqueeze(-1), [1, 2**8, 2**16]), 256).flatten(-2)
+    else:
+        per = 8 // bits
+        c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per, per)
+        byte = c[..., 0]
+        for j in range(1, per):
+            byte = byte + c[..., j] * 2 ** (bits * j)
+    return bytes_to_words(byte)
+
+
+# -- codec: format.md section 3 --------------------------------------------------------------------
+
+
+def dequantize(words, scale, zero, levels, bits: int, cluster_dim: int) -> torch.Tensor:
+    """Body rows -> fp32 [H, rows, D]: zero + scale * level[code]."""
+    codes = unpack_words(words, bits)
+    values = levels[codes.flatten()].reshape(*codes.shape[:-1], codes.shape[-1] // cluster_dim, cluster_dim)
+    out = zero.float().unsqueeze(-1) + scale.float().unsqueeze(-1) * values
+    return out.flatten(-2)
+
+
+def quantize(x: torch.Tensor, levels, bits: int, cluster_dim: int, clip: float):
+    """fp32 [H, n, D] -> (int32 words, fp16 scale, fp16 zero), bit-exact with codec.quantize."""
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // cluster_dim, cluster_dim)
+    lo, hi = g.amin(-1), g.amax(-1)
+    if clip < 1.0:
+        mid = (hi + lo) * 0.5
+        half = (hi - lo) * torch.tensor(0.5 * clip, dtype=torch.float32)
+        lo, hi = mid - half, mid + half
+    scale, zero = ((hi - lo) / float(2**bits - 1)).half(), lo.half()
+    s = scale.float().unsqueeze(-1)
+    u = (g - zero.float().unsqueeze(-1)) / s
+    thresholds = (levels[:-1] + levels[1:]) * 0.5
+    code = (u > thresholds[0]).to(torch.int32)
+    for j in range(1, 2**bits - 1):  # count of thresholds exceeded, in int32
+        code = code + (u > thresholds[j]).to(torch.int32)
+    code = torch.where(s == 0, _i32(0), code)  # a zero scale has codes 0
+    return pack_words(code.flatten(-2), bits), scale, zero
+
+
+# -- the op ----------------------------------------------------------------------------------------
+
+
+def attention_rows(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes, k_scale, k_zero, v_codes, v_scale,
+                   v_zero, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip,
+                   scaling):
+    """oscar::attention over int32-word buffers, returning (out, *ROW_NAMES) instead of updated buffers.
+
+    out is the reference attention (format.md section 6). The body rows are those of positions
+    max(S, n0-W) + j for j < T; only the first max(S, n1-W) - max(S, n0-W) are real, the rest
+    are computed from clamped indices and ignored by apply_rows.
+    """
+    # v_new arrives as a transposed view; contiguous copies keep the traced shapes free of stride guards.
+    q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
+    heads, t, d = k_new.shape
+    s_cap, w_cap, b_cap = k_sink.shape[1], k_recent.shape[1], k_codes.shape[1]
+    n0 = length.reshape(1).to(torch.int32)
+    cache = {"k": (k_sink, k_recent, k_codes, k_scale, k_zero), "v": (v_sink, v_recent, v_codes, v_scale, v_zero)}
+    new, levels = {"k": k_new, "v": v_new}, {"k": k_levels, "v": v_levels}
+    bits, clip = {"k": k_bits, "v": v_bits}, {"k": k_clip, "v": v_clip}
+
+    # Every slot in position-independent order (sink, body, ring, chunk); visibility by rank.
+    keys = {}
+    for kind in KINDS:
+        sink_buf, ring, words, scale, zero = cache[kind]
+        body = dequantize(words, scale, zero, levels[kind], bits[kind], cluster_dim)
+        keys[kind] = torch.cat([sink_buf.float(), body, ring.float(), new[kind].float()], dim=1)
+    chunk = torch.arange(t, dtype=torch.int32)
+    filled, empty = _i32(-1), _i32(2**30)  # ranks: a filled slot is seen by every query, an empty one by none
+    rank = torch.cat([
+        torch.where(torch.arange(s_cap, dtype=torch.int32) < n0, filled, empty),
+        torch.where(torch.arange(b_cap, dtype=torch.int32) < n0 - (sink + recent), filled, empty),
+        torch.where(torch.arange(w_cap, dtype=torch.int32) < n0 - sink, filled, empty),
+        chunk,
+    ])
+    visible = rank.unsqueeze(0) <= chunk.unsqueeze(1)  # [T, slots]
+    group = q.shape[0] // heads
+    scores = (q.reshape(heads, group * t, d) @ keys["k"].transpose(1, 2)) * scaling
+    scores = torch.where(visible.repeat(group, 1), scores, torch.tensor(torch.finfo(torch.float32).min))
+    out = (torch.softmax(scores, dim=-1) @ keys["v"]).reshape(q.shape)
+
+    # Positions entering the body during this chunk: from the ring (p < n0) or from the chunk.
+    first = torch.maximum(n0 - recent, _i32(sink))
+    pos = first + chunk
+    rows = {}
+    for kind in KINDS:
+        ring = cache[kind][1]
+        if recent:
+            src = torch.cat([ring, new[kind]], dim=1)
+            idx = torch.where(pos < n0, torch.remainder(pos - sink, recent), pos - n0 + w_cap)
+        else:
+            src, idx = new[kind], pos - n0
+        idx = torch.where(idx < src.shape[1], idx, _i32(0))  # rows past the real ones read any valid row
+        values = torch.index_select(src, 1, idx).float()
+        rows[kind] = quantize(values, levels[kind], bits[kind], cluster_dim, clip[kind])
+    return (out, k_new, v_new, *rows["k"], *rows["v"])
+
+
+class RowsComposition(TorchFunctionMode):
+    """While active, oscar::attention_functional calls run attention_rows: how the shared graph
+    (graph.OscarCausalLM, functional=True) is traced for Core ML without a custom op."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.oscar.attention_functional, torch.ops.oscar.attention_functional.default):
+            return attention_rows(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+# -- the host side ---------------------------------------------------------------------------------
+
+
+def apply_rows(cache: dict[str, np.ndarray], rows: dict[str, np.ndarray], n0: int, sink: int, recent: int) -> None:
+    """Write one layer's chunk outputs into its buffers by the placement rule (format.md section 5).
+
+    cache: k_sink ... v_zero of one layer (codes as int32 words); rows: ROW_NAMES of that layer.
+    """
+    t = rows["k_new"].shape[1]
+    n1 = n0 + t
+    first, last = max(sink, n0 - recent), max(sink, n1 - recent)
+    for kind in KINDS:
+        chunk = rows[f"{kind}_new"]
+        if n0 < min(sink, n1):
+            cache[f"{kind}_sink"][:, n0:min(sink, n1)] = chunk[:, :min(sink, n1) - n0]
+        if last > first:
+            for region in ("codes", "scale", "zero"):
+                cache[f"{kind}_{region}"][:, first - sink:last - sink] = rows[f"{kind}_body_{region}"][:, :last - first]
+        ring_from = max(sink, n1 - recent, n0)
+        if recent and ring_from < n1:
+            positions = np.arange(ring_from, n1)
+            cache[f"{kind}_recent"][:, (positions - sink) % recent] = chunk[:, positions - n0]

@@ -1,0 +1,124 @@
+"""Run a converted ios model: the host loop an app runs, in Python.
+
+The host keeps one set of cache buffers per layer (numpy arrays in the model's input layout),
+feeds them with each chunk, and writes the rows the model returns into them by the placement rule
+(coreml_ops.apply_rows). runtime "coreml-mil" executes the converted MIL program in numpy
+(mil_eval.py, any OS); "coreml" calls MLModel.predict (macOS only).
+"""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import numpy as np
+
+from ..config import OscarInputError
+from .coreml_ops import ROW_NAMES, apply_rows
+
+RUNTIMES = ("coreml-mil", "coreml")
+
+
+def coreml_available() -> tuple[bool, str]:
+    """(whether MLModel.predict can run here, why not)."""
+    if platform.system() != "Darwin":
+        return False, f"Core ML runs models only on macOS (this is {platform.system()})"
+    try:
+        from coremltools import libcoremlpython  # noqa: F401
+    except ImportError as err:
+        return False, f"coremltools has no Core ML bindings here ({err})"
+    return True, ""
+
+
+class CoreMLLM:
+    """One sequence through a converted model; `length` tokens are cached.
+
+    model: a coremltools MLModel (from conversion, or loaded from the artifact's .mlpackage).
+    """
+
+    def __init__(self, model, runtime: str, layers: int, sink: int, recent: int, max_chunk: int):
+        if runtime not in RUNTIMES:
+            raise OscarInputError(f"runtime={runtime!r}: expected one of {RUNTIMES}")
+        self.runtime, self.layers, self.sink, self.recent, self.max_chunk = runtime, layers, sink, recent, max_chunk
+        if runtime == "coreml-mil":
+            from .mil_eval import MilProgram, saved_program
+
+            self._program = MilProgram(saved_program(model))
+            layout = {name: spec for name, spec in self._program.inputs.items()}
+            self._predict = self._program.run
+        else:
+            ok, why = coreml_available()
+            if not ok:
+                raise OscarInputError(f"--runtime coreml: {why}: expected macOS, or --runtime coreml-mil")
+            layout = {}
+            for feature in model.get_spec().description.input:
+                array = feature.type.multiArrayType
+                dtype = {65568: np.float32, 65552: np.float16, 131104: np.int32}[array.dataType]
+                layout[feature.name] = (tuple(array.shape), dtype)
+            self._predict = model.predict
+        self.cache = {name: np.zeros(shape, dtype) for name, (shape, dtype) in layout.items()
+                      if name not in ("input_ids", "length")}
+        self.max_context = sum(self.cache[f"layer0_k_{region}"].shape[1] for region in ("sink", "recent", "codes"))
+        self.length = 0
+
+    def step(self, ids) -> np.ndarray:
+        """Run one chunk (at most max_chunk tokens); returns the last position's logits [vocab]."""
+        ids = np.asarray(ids, dtype=np.int32).reshape(1, -1)
+        if not 1 <= ids.shape[1] <= self.max_chunk:
+            raise OscarInputError(f"chunk of {ids.shape[1]} tokens: expected 1 .. {self.max_chunk}")
+        if self.length + ids.shape[1] > self.max_context:
+            raise OscarInputError(f"cache capacity exceeded: {self.length} + {ids.shape[1]} tokens > "
+                                  f"max_context={self.max_context}: expected a shorter prompt or a larger --context")
+        out = self._predict({"input_ids": ids, "length": np.array([self.length], np.int32), **self.cache})
+        for i in range(self.layers):
+            layer = {name: self.cache[f"layer{i}_{name}"] for name in
+                     ("k_sink", "v_sink", "k_recent", "v_recent", "k_codes", "k_scale", "k_zero", "v_codes",
+                      "v_scale", "v_zero")}
+            apply_rows(layer, {name: out[f"layer{i}_{name}"] for name in ROW_NAMES}, self.length, self.sink,
+                       self.recent)
+        self.length += ids.shape[1]
+        return np.asarray(out["logits"], np.float32)[0, -1]
+
+    def prefill(self, ids) -> np.ndarray:
+        ids = list(ids)
+        if not ids:
+            raise OscarInputError("prompt is empty: expected at least one token")
+        for start in range(0, len(ids), self.max_chunk):
+            logits = self.step(ids[start:start + self.max_chunk])
+        return logits
+
+    def trace(self, ids, steps: int) -> tuple[list[int], list[np.ndarray]]:
+        """Greedy tokens and the logits they came from: the prefill's, then each decode step's."""
+        logits, tokens, all_logits = self.prefill(ids), [], []
+        for _ in range(steps):
+            all_logits.append(logits)
+            tokens.append(int(np.argmax(logits)))
+            if len(tokens) < steps:
+                logits = self.step([tokens[-1]])
+        return tokens, all_logits
+
+    def generate(self, ids, max_new_tokens: int, eos_token_ids=()) -> list[int]:
+        logits, tokens = self.prefill(ids), []
+        while len(tokens) < max_new_tokens:
+            tokens.append(int(np.argmax(logits)))
+            if tokens[-1] in eos_token_ids or len(tokens) == max_new_tokens:
+                break
+            logits = self.step([tokens[-1]])
+        return tokens
+
+    def body_codes(self) -> dict[str, np.ndarray]:
+        """Packed body codes as the format's bytes (uint8), by input name: the int32 words are those bytes."""
+        return {name: np.ascontiguousarray(array).view(np.uint8) for name, array in self.cache.items()
+                if name.endswith("_codes")}
+
+
+def load(directory) -> "object":
+    """The artifact's MLModel, without compiling it (compiling needs macOS)."""
+    import coremltools as ct
+
+    from .coreml import MODEL_FILE
+
+    path = Path(directory) / MODEL_FILE
+    if not path.is_dir():
+        raise OscarInputError(f"artifact {str(directory)!r} has no {MODEL_FILE}: expected an ios export directory")
+    return ct.models.MLModel(str(path), skip_model_load=not coreml_available()[0])
