@@ -1,4 +1,4 @@
-"""The laptop target's CLI (targets/laptop.toml): export, run and `bench attention` on ONNX Runtime.
+"""The laptop target's CLI (targets/laptop.toml): export, run, `bench attention` and `bench decode` on ONNX Runtime.
 
 cli_targets.py dispatches here. Bad input raises OscarInputError, which becomes a one-line error.
 """
@@ -68,6 +68,8 @@ def bench(args: argparse.Namespace) -> int:
     from .models import model_shape
 
     contexts = parse_contexts(args.context)
+    if args.what == "decode":
+        return _bench_decode(args, contexts, config_from_args(args))
     shape = model_shape(args.model)
     report = bench_attention(contexts, shape.q_heads, shape.kv_heads, shape.head_dim, config_from_args(args),
                              args.threads)
@@ -79,4 +81,22 @@ def bench(args: argparse.Namespace) -> int:
     for r in report["results"]:
         print(f"  context {r['context']:>7}: OSCAR {r['oscar_ms']:.3f} ms, fp32 baseline {r['baseline_ms']:.3f} ms, "
               f"speed-up {r['speedup']:.2f}x")
+    return 0
+
+
+def _bench_decode(args: argparse.Namespace, contexts: list[int], config) -> int:
+    from .export.ort_decode_bench import bench_decode
+
+    report = bench_decode(contexts, args.steps, args.threads, args.model, config)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"greedy decode of {args.model}, weights {report['weights']}, median of {report['steps']} steps, "
+          f"threads: {report['threads']}, ONNX Runtime; OSCAR cache (native op) vs fp32 KV cache")
+    print(f"  {'context':>7}  {'OSCAR tok/s':>11}  {'fp32 tok/s':>10}  {'speed-up':>8}  {'OSCAR cache':>11}  "
+          f"{'fp32 cache':>10}")
+    for r in report["results"]:
+        print(f"  {r['context']:>7}  {r['oscar_tokens_per_s']:>11.1f}  {r['fp32_tokens_per_s']:>10.1f}  "
+              f"{r['speedup']:>7.2f}x  {r['oscar_cache_bytes'] / 2**20:>7.2f} MiB  "
+              f"{r['fp32_cache_bytes'] / 2**20:>6.2f} MiB")
     return 0

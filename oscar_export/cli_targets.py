@@ -70,10 +70,14 @@ def add_target_commands(sub) -> None:
     p.set_defaults(func=cmd_run)
 
     runtimes = bench_runtimes()
-    p = sub.add_parser("bench", help="benchmark the OSCAR attention kernels",
-                       description="Decode-attention latency of the OSCAR op against the runtime's own "
-                                   "attention over the same context, same threads, measured in one run.")
-    p.add_argument("what", choices=("attention",))
+    p = sub.add_parser("bench", help="benchmark the OSCAR attention kernels and decoding",
+                       description="attention: decode-attention latency of the OSCAR op against the runtime's own "
+                                   "attention over the same context. decode: end-to-end decode tokens/s of the "
+                                   "exported model with the OSCAR cache against an fp32 KV cache. Same threads, "
+                                   "measured in one run.")
+    p.add_argument("what", choices=("attention", "decode"))
+    p.add_argument("--steps", type=positive_int, default=64,
+                   help="decode: timed greedy steps per context (default %(default)s)")
     p.add_argument("--runtime", choices=tuple(runtimes), default=next(r for r, t in runtimes.items() if available(t)),
                    help="runtime whose kernels and baselines are timed (default %(default)s)")
     p.add_argument("--context", default="4096,32768", help="comma-separated contexts (default %(default)s)")

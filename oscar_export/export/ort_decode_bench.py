@@ -1,0 +1,267 @@
+"""End-to-end decode tokens/s in ONNX Runtime: the laptop artifact (OSCAR cache, native op) against
+the same model with a standard fp32 KV cache.
+
+Both variants hold the same float32 weights, so only the cache differs. OSCAR: the model.onnx that
+export_laptop writes, run by OrtLM (cache buffers bound once, appended in place by the op). fp32: a
+decode graph of standard ONNX ops built here from the same Hugging Face weights, in the layout ONNX
+Runtime decoders use: past K/V inputs [1, Hkv, past, D] and present outputs (the past with the new
+token concatenated), bound with IO binding and fed back as the next step's past.
+
+Decode cost does not depend on the values in the cache, and prefilling a long context through the
+model would take minutes on a laptop CPU, so both caches start from a synthetic state: OSCAR's fp16
+windows hold random rows and its packed body random rows quantized by the reference codec; the fp32
+past holds random values. Then both decode greedily in alternating blocks of steps, so a noisy machine
+slows both alike, and the median step latency (logits and argmax included) gives tokens/s.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from ..codec import quantize
+from ..config import OscarConfig, OscarInputError
+from .graph import CACHE_NAMES
+from .onnx_export import DOMAIN, MODEL_FILE, OP
+from .ort_runner import OrtLM
+
+WARMUP = 4  # untimed steps per variant before the timed ones
+BLOCK = 8  # steps each variant runs in turn
+FP32_FILE = "fp32_decoder.onnx"
+WEIGHTS = "float32 in both variants"
+
+
+def min_context(config: OscarConfig, steps: int) -> int:
+    """Smallest context whose starting state already uses the packed body."""
+    return config.sink + config.recent + WARMUP + steps + 2
+
+
+def fill_oscar_cache(cache: dict[str, np.ndarray], config: OscarConfig, length: int, rng: np.random.Generator):
+    """Write a valid state of `length` tokens (>= sink + recent) into OrtLM's buffers, in place: they stay bound."""
+    rows = length - config.sink - config.recent
+    for name, array in cache.items():
+        layer, buffer = name.split(".")
+        kind, region = buffer.split("_")
+        if region in ("sink", "recent"):
+            array[...] = rng.standard_normal(array.shape, dtype=np.float32)
+        elif region == "codes":
+            heads, _, head_dim = cache[f"{layer}.{kind}_sink"].shape
+            x = torch.from_numpy(rng.standard_normal((heads, rows, head_dim), dtype=np.float32))
+            packed = quantize(x, config.bits(kind), config.cluster_dim, config.clip(kind))
+            for part, values in zip(("codes", "scale", "zero"), packed):
+                cache[f"{layer}.{kind}_{part}"][:, :rows] = values.numpy()
+
+
+def oscar_decoder(directory: Path, model_name: str, context: int, config: OscarConfig, threads: int) -> OrtLM:
+    """Export the laptop artifact with float weights into `directory` and load it with the native op."""
+    from .laptop import export_laptop
+
+    export_laptop(model_name, directory, "hadamard", context, float_weights=True, **config.to_dict())
+    # The op starts its own threads (attribute `threads`, 0 = one per core): pin it to the bench's count.
+    path = directory / MODEL_FILE
+    model = onnx.load(path, load_external_data=False)
+    for node in model.graph.node:
+        if node.domain == DOMAIN and node.op_type == OP:
+            node.attribute.append(helper.make_attribute("threads", threads))
+    onnx.save(model, path)
+    return OrtLM(directory, "onnxruntime", threads)
+
+
+class _Builder:
+    """Nodes and initializers of a graph, each node with one fresh output name unless one is given."""
+
+    def __init__(self):
+        self.nodes, self.initializers = [], []
+
+    def const(self, array) -> str:
+        name = f"const_{len(self.initializers)}"
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
+        out = out or f"{op_type.lower()}_{len(self.nodes)}"
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
+        return out
+
+    def linear(self, x: str, layer: torch.nn.Linear, out: str | None = None) -> str:
+        weight = self.const(layer.weight.detach().float().numpy().T)
+        if layer.bias is None:
+            return self.op("MatMul", x, weight, out=out)
+        return self.op("Add", self.op("MatMul", x, weight), self.const(layer.bias.detach().float().numpy()), out=out)
+
+    def rms_norm(self, x: str, norm) -> str:
+        eps = getattr(norm, "variance_epsilon", None) or norm.eps
+        mean = self.op("ReduceMean", self.op("Pow", x, self.const(np.float32(2))), self.const(np.array([-1])),
+                       keepdims=1)
+        scaled = self.op("Div", x, self.op("Sqrt", self.op("Add", mean, self.const(np.float32(eps)))))
+        return self.op("Mul", scaled, self.const(norm.weight.detach().float().numpy()))
+
+
+def fp32_decoder(model) -> onnx.ModelProto:
+    """One-token decode graph of a Llama-family model with an fp32 KV cache, standard ONNX ops only.
+
+    Inputs input_ids int64 [1, 1], past.{i}.key / past.{i}.value float [1, Hkv, past, D]; outputs logits
+    [1, 1, vocab], present.{i}.key / present.{i}.value [1, Hkv, past + 1, D].
+    """
+    text = model.get_decoder()
+    cfg = model.config.get_text_config()
+    attn = text.layers[0].self_attn
+    if getattr(attn, "q_norm", None) is not None or cfg.hidden_act != "silu":
+        raise OscarInputError(f"model_type={cfg.model_type!r} with hidden_act={cfg.hidden_act!r}: the fp32 decode "
+                              "graph expects a Llama, Mistral or Qwen2 model (SiLU MLP, no q/k norms)")
+    d = attn.head_dim
+    q_heads, kv_heads = attn.q_proj.out_features // d, attn.k_proj.out_features // d
+    g = _Builder()
+    # RoPE at position `past`, the token's index, as transformers computes it.
+    position = g.op("Cast", g.op("Shape", "past.0.key", start=2, end=3), to=TensorProto.FLOAT)
+    freqs = g.op("Mul", position, g.const(text.rotary_emb.inv_freq.float().numpy()))
+    emb = g.op("Concat", freqs, freqs, axis=0)
+    scaling = g.const(np.float32(text.rotary_emb.attention_scaling))
+    cos, sin = (g.op("Mul", g.op(f, emb), scaling) for f in ("Cos", "Sin"))
+    half = [g.const(np.array([v])) for v in (0, d // 2, d, -1)]
+
+    def rope(x):
+        x1, x2 = g.op("Slice", x, half[0], half[1], half[3]), g.op("Slice", x, half[1], half[2], half[3])
+        rotated = g.op("Concat", g.op("Neg", x2), x1, axis=-1)
+        return g.op("Add", g.op("Mul", x, cos), g.op("Mul", rotated, sin))
+
+    h = g.op("Gather", g.const(text.embed_tokens.weight.detach().float().numpy()), "input_ids")
+    for i, block in enumerate(text.layers):
+        attn = block.self_attn
+        x = g.rms_norm(h, block.input_layernorm)
+        # One token: heads reshape straight to [1, H, 1, D]; the score scale goes on q, not on every score.
+        q = g.op("Reshape", g.linear(x, attn.q_proj), g.const(np.array([1, q_heads, 1, d])))
+        q = g.op("Mul", rope(q), g.const(np.float32(attn.scaling)))
+        k = rope(g.op("Reshape", g.linear(x, attn.k_proj), g.const(np.array([1, kv_heads, 1, d]))))
+        v = g.op("Reshape", g.linear(x, attn.v_proj), g.const(np.array([1, kv_heads, 1, d])))
+        keys = g.op("Concat", f"past.{i}.key", k, axis=2, out=f"present.{i}.key")
+        values = g.op("Concat", f"past.{i}.value", v, axis=2, out=f"present.{i}.value")
+        # Grouped-query attention: the query heads of KV head h are rows of one [group, D] matrix.
+        grouped = g.op("Reshape", q, g.const(np.array([1, kv_heads, q_heads // kv_heads, d])))
+        scores = g.op("MatMul", grouped, g.op("Transpose", keys, perm=[0, 1, 3, 2]))
+        out = g.op("MatMul", g.op("Softmax", scores, axis=-1), values)
+        out = g.op("Reshape", out, g.const(np.array([1, 1, q_heads * d])))
+        h = g.op("Add", h, g.linear(out, attn.o_proj))
+        x = g.rms_norm(h, block.post_attention_layernorm)
+        gate = g.linear(x, block.mlp.gate_proj)
+        act = g.op("Mul", g.op("Mul", gate, g.op("Sigmoid", gate)), g.linear(x, block.mlp.up_proj))
+        h = g.op("Add", h, g.linear(act, block.mlp.down_proj))
+    g.linear(g.rms_norm(h, text.norm), model.lm_head, out="logits")
+
+    layers = range(len(text.layers))
+    cache = [f"past.{i}.{part}" for i in layers for part in ("key", "value")]
+    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 1])]
+    inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, kv_heads, "past", d]) for name in cache]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, cfg.vocab_size])]
+    outputs += [helper.make_tensor_value_info(name.replace("past", "present"), TensorProto.FLOAT,
+                                              [1, kv_heads, "present", d]) for name in cache]
+    graph = helper.make_graph(g.nodes, "fp32_decoder", inputs, outputs, g.initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    return model
+
+
+class Fp32Decoder:
+    """The fp32 decode graph in ONNX Runtime: present outputs become the next step's past inputs."""
+
+    def __init__(self, path: Path, threads: int):
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        self.past = [i.name for i in self.session.get_inputs()[1:]]
+        self.binding = self.session.io_binding()
+
+    def start(self, past: list[np.ndarray]) -> None:
+        for name, array in zip(self.past, past):
+            self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+
+    def step(self, token: int) -> np.ndarray:
+        """Logits [vocab] after one token; the cache grows by it."""
+        self.binding.bind_cpu_input("input_ids", np.array([[token]], np.int64))
+        self.binding.bind_output("logits", "cpu")
+        for name in self.past:
+            self.binding.bind_output(name.replace("past", "present"), "cpu")
+        self.session.run_with_iobinding(self.binding)
+        logits, *present = self.binding.get_outputs()
+        for name, value in zip(self.past, present):
+            self.binding.bind_ortvalue_input(name, value)
+        return logits.numpy()[0, -1]
+
+
+def _step_times(steppers: dict, token: int, steps: int) -> dict[str, list[float]]:
+    """Greedy decode with each stepper (token -> logits), alternating blocks of BLOCK steps; seconds per step."""
+    tokens = dict.fromkeys(steppers, token)
+    times = {name: [] for name in steppers}
+
+    def run(name, n, record):
+        for _ in range(n):
+            t0 = time.perf_counter()
+            tokens[name] = int(np.argmax(steppers[name](tokens[name])))
+            if record:
+                times[name].append(time.perf_counter() - t0)
+
+    for name in steppers:
+        run(name, WARMUP, False)
+    for done in range(0, steps, BLOCK):
+        for name in steppers:
+            run(name, min(BLOCK, steps - done), True)
+    return times
+
+
+def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_name: str = "bundled",
+                 config: OscarConfig | None = None, work_dir=None) -> dict:
+    """Decode tokens/s of the OSCAR artifact and of the fp32-cache graph at each context, in one run.
+
+    Each variant starts from a synthetic cache of context - WARMUP - steps - 1 tokens, so the timed steps
+    end one token short of `context`. work_dir keeps the exported models (default: a temporary directory).
+    """
+    from ..models import load_model
+
+    config = config or OscarConfig()
+    contexts = list(contexts)
+    for context in contexts:
+        if context < min_context(config, steps):
+            raise OscarInputError(f"--context {context}: expected at least sink + recent + {WARMUP} warm-up + "
+                                  f"{steps} steps + 2 = {min_context(config, steps)} tokens, so the packed body "
+                                  "is used")
+    threads = threads or os.cpu_count()
+    model, _ = load_model(model_name)
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory(prefix="oscar-decode-bench-") as temp:
+        work = Path(work_dir or temp)
+        work.mkdir(parents=True, exist_ok=True)
+        onnx.save(fp32_decoder(model), work / FP32_FILE, save_as_external_data=True, location=FP32_FILE + ".data")
+        fp32 = Fp32Decoder(work / FP32_FILE, threads)
+        results = []
+        for context in contexts:
+            length = context - WARMUP - steps - 1
+            oscar = oscar_decoder(work / f"oscar-{context}", model_name, context, config, threads)
+            fill_oscar_cache(oscar.cache, config, length, rng)
+            oscar.length = length
+            heads, _, head_dim = oscar.cache["layer0.k_sink"].shape
+            layers = len(oscar.cache) // len(CACHE_NAMES)
+            fp32.start([rng.standard_normal((1, heads, length, head_dim), dtype=np.float32)
+                        for _ in range(2 * layers)])
+            times = _step_times({"oscar": lambda t: oscar.step([t]), "fp32": fp32.step},
+                                int(rng.integers(model.config.get_text_config().vocab_size)), steps)
+            ms = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
+            results.append({"context": context,
+                            "oscar_tokens_per_s": round(1e3 / ms["oscar"], 2),
+                            "fp32_tokens_per_s": round(1e3 / ms["fp32"], 2),
+                            "speedup": round(ms["fp32"] / ms["oscar"], 3),
+                            "oscar_ms": round(ms["oscar"], 4), "fp32_ms": round(ms["fp32"], 4),
+                            "oscar_cache_bytes": sum(a.nbytes for a in oscar.cache.values()),
+                            "fp32_cache_bytes": 2 * layers * heads * context * head_dim * 4})
+            del oscar  # its session and buffers before the next, larger context
+    return {"results": results, "threads": threads, "steps": steps, "weights": WEIGHTS, "model": model_name,
+            "config": config.to_dict(),
+            "state": f"synthetic: random fp16 windows and codec-quantized random body rows (OSCAR), random fp32 past; "
+                     f"{WARMUP} untimed steps, then {steps} timed greedy steps ending at context - 1 tokens"}

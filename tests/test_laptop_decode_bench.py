@@ -1,0 +1,94 @@
+"""`oscar-export bench decode`: both decoders are the bundled model, and the report is consistent."""
+
+import numpy as np
+import pytest
+import torch
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+from test_laptop_target import native_available  # noqa: E402
+
+from oscar_export.cache import cache_bytes  # noqa: E402
+from oscar_export.cli import main  # noqa: E402
+from oscar_export.config import OscarConfig  # noqa: E402
+from oscar_export.export.graph import OscarCausalLM  # noqa: E402
+from oscar_export.export.ort_decode_bench import (FP32_FILE, Fp32Decoder, bench_decode, fill_oscar_cache,  # noqa: E402
+                                                  fp32_decoder)
+from oscar_export.export.ort_runner import OrtLM  # noqa: E402
+from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
+
+CONTEXT, STEPS = 1024, 6
+
+
+@pytest.fixture(scope="module")
+def bundled():
+    return load_model("bundled")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    if not native_available():
+        pytest.skip("liboscar_ort.so needs cmake, g++ and ORT headers")
+    work = tmp_path_factory.mktemp("decode")
+    return bench_decode([CONTEXT], steps=STEPS, threads=1, work_dir=work), work
+
+
+def test_report_shape_and_consistency(report, bundled):
+    report, _ = report
+    assert report["steps"] == STEPS and report["threads"] == 1 and "float32" in report["weights"]
+    (r,) = report["results"]
+    assert r["context"] == CONTEXT
+    assert r["oscar_tokens_per_s"] > 0 and r["fp32_tokens_per_s"] > 0
+    # One set of timings behind every number: speedup = fp32 / oscar, in ms and in tokens/s.
+    assert r["speedup"] == pytest.approx(r["fp32_ms"] / r["oscar_ms"], rel=1e-3)
+    assert r["speedup"] == pytest.approx(r["oscar_tokens_per_s"] / r["fp32_tokens_per_s"], rel=1e-3)
+    assert r["oscar_tokens_per_s"] == pytest.approx(1e3 / r["oscar_ms"], rel=1e-3)
+    shape = bundled[0].config
+    assert r["oscar_cache_bytes"] == cache_bytes(OscarConfig(), shape.num_hidden_layers, shape.num_key_value_heads,
+                                                 shape.head_dim, CONTEXT)
+    assert r["fp32_cache_bytes"] == 2 * shape.num_hidden_layers * shape.num_key_value_heads * CONTEXT * shape.head_dim * 4
+
+
+def test_oscar_decode_from_the_synthetic_state_matches_the_eager_module(report, bundled):
+    """The artifact the bench timed, from the bench's kind of state, against OscarCausalLM on copies of the buffers."""
+    _, work = report
+    lm = OrtLM(work / f"oscar-{CONTEXT}", threads=1)
+    length = CONTEXT - 300
+    fill_oscar_cache(lm.cache, OscarConfig(), length, np.random.default_rng(1))
+    lm.length = length
+    module = OscarCausalLM(bundled[0], OscarConfig(), "hadamard").eval()
+    cache = [torch.from_numpy(lm.cache[name].copy()) for name in lm.cache_names]
+    token = 7
+    for step in range(3):
+        got = lm.step([token])
+        with torch.no_grad():
+            want = module(torch.tensor([[token]]), torch.tensor([length + step]), *cache)[0, -1].numpy()
+        assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max(), f"step {step}"
+        assert int(got.argmax()) == int(want.argmax())
+        token = int(want.argmax())
+
+
+def test_fp32_decoder_matches_transformers(bundled, tmp_path):
+    """The fp32 graph after a real prompt: the next logits of transformers with its own fp32 cache, step by step."""
+    model, tokenizer = bundled
+    onnx.save(fp32_decoder(model), tmp_path / FP32_FILE, save_as_external_data=True, location="w.data")
+    decoder = Fp32Decoder(tmp_path / FP32_FILE, threads=1)
+    ids = tokenizer((BUNDLED_MODEL_DIR / "heldout.txt").read_text()[:1000])["input_ids"][:40]
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), use_cache=True)
+        cache = out.past_key_values
+        decoder.start([t.numpy().copy() for layer in cache.layers for t in (layer.keys, layer.values)])
+        token = int(out.logits[0, -1].argmax())
+        for step in range(3):
+            got = decoder.step(token)
+            want = model(torch.tensor([[token]]), past_key_values=cache, use_cache=True).logits[0, -1].numpy()
+            assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max(), f"step {step}"
+            token = int(want.argmax())
+            assert int(got.argmax()) == token
+
+
+def test_context_too_small_is_a_one_line_error(capsys):
+    assert main(["bench", "decode", "--runtime", "onnxruntime", "--context", "300", "--steps", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--context 300" in err and "334" in err
