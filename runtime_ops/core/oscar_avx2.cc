@@ -251,17 +251,14 @@ void planar_scores_heads(const BodyView& b, int64_t row0, int n, const SplitQuer
 }
 
 template <int BITS>
-void planar_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads,
-                   float* scores) {
-  SplitQuery sq[4];
+void planar_scores(const BodyView& b, int64_t row0, int n, const float* qsum, int heads, float* scores,
+                   const SplitQuery* sq) {
   for (int h0 = 0; h0 < heads; h0 += 4) {
-    const int nh = min_int(4, heads - h0);
-    for (int k = 0; k < nh; ++k) sq[k].set(q + (h0 + k) * b.head_dim, BITS, b.head_dim, b.cluster_dim);
-    switch (nh) {
-      case 1: planar_scores_heads<BITS, 1>(b, row0, n, sq, qsum, h0, scores); break;
-      case 2: planar_scores_heads<BITS, 2>(b, row0, n, sq, qsum, h0, scores); break;
-      case 3: planar_scores_heads<BITS, 3>(b, row0, n, sq, qsum, h0, scores); break;
-      default: planar_scores_heads<BITS, 4>(b, row0, n, sq, qsum, h0, scores); break;
+    switch (min_int(4, heads - h0)) {
+      case 1: planar_scores_heads<BITS, 1>(b, row0, n, sq + h0, qsum, h0, scores); break;
+      case 2: planar_scores_heads<BITS, 2>(b, row0, n, sq + h0, qsum, h0, scores); break;
+      case 3: planar_scores_heads<BITS, 3>(b, row0, n, sq + h0, qsum, h0, scores); break;
+      default: planar_scores_heads<BITS, 4>(b, row0, n, sq + h0, qsum, h0, scores); break;
     }
   }
 }
@@ -348,10 +345,18 @@ void planar_values(const BodyView& b, int64_t row0, int n, int heads, float* acc
   }
 }
 
-void avx2_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads, float* scores) {
-  if (n > kPlanarRows || !planar(b)) return fused_scores<Avx2>(b, row0, n, q, qsum, heads, scores);
-  if (b.bits == 2) return planar_scores<2>(b, row0, n, q, qsum, heads, scores);
-  planar_scores<4>(b, row0, n, q, qsum, heads, scores);
+void avx2_prepare(const BodyView& b, const float* q, int heads, void* prepared) {
+  if (!planar(b)) return;
+  SplitQuery* sq = static_cast<SplitQuery*>(prepared);
+  for (int h = 0; h < heads; ++h) sq[h].set(q + h * b.head_dim, b.bits, b.head_dim, b.cluster_dim);
+}
+
+void avx2_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads, float* scores,
+                 const void* prepared) {
+  if (n > kPlanarRows || !planar(b)) return fused_scores<Avx2>(b, row0, n, q, qsum, heads, scores, prepared);
+  const SplitQuery* sq = static_cast<const SplitQuery*>(prepared);
+  if (b.bits == 2) return planar_scores<2>(b, row0, n, qsum, heads, scores, sq);
+  planar_scores<4>(b, row0, n, qsum, heads, scores, sq);
 }
 
 void avx2_values(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch) {
@@ -457,6 +462,6 @@ void avx2_axpy(float* acc, float w, const float* x, int64_t n) {
 }  // namespace
 
 const BodyKernels kAvx2Kernels = {avx2_scores,   avx2_values, avx2_scale_max, avx2_exp_sum,
-                                  avx2_load_f16, avx2_dot,    avx2_axpy};
+                                  avx2_load_f16, avx2_dot,    avx2_axpy,      avx2_prepare};
 
 }  // namespace oscar

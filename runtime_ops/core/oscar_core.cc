@@ -289,6 +289,9 @@ struct Layer {
     float* vb = kb + kBlock * D;
     float* s = vb + kBlock * D;  // group * kBodyBlock
     float* weights = s + group * kBodyBlock;  // group * (kBodyBlock + 1) * G
+    // group * kPreparedBytes, 32-byte aligned (scratch_floats leaves 32 bytes of slack)
+    void* prepared = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(weights + group * (kBodyBlock + 1) * G) + 31) &
+                                             ~uintptr_t(31));
     const float* q = a.q + h * group * D;  // the group's query heads are contiguous when T == 1
     std::fill(m, m + group, -std::numeric_limits<float>::infinity());
     std::fill(l, l + group, 0.0f);
@@ -319,9 +322,10 @@ struct Layer {
     const int64_t tail_from = std::max(sink_end, n0 - W);  // first ring position (or the new token)
     dense(0, sink_end);
     const BodyView kbody = body(kind[0], h), vbody = body(kind[1], h);
+    kernels.prepare(kbody, q, int(group), prepared);
     for (int64_t r0 = 0; r0 < tail_from - sink_end; r0 += kBodyBlock) {
       const int n = int(std::min<int64_t>(kBodyBlock, tail_from - sink_end - r0));
-      kernels.scores(kbody, r0, n, q, qsum, int(group), s);
+      kernels.scores(kbody, r0, n, q, qsum, int(group), s, prepared);
       for (int64_t hh = 0; hh < group; ++hh)
         softmax_block(kernels, a.config.scaling, s + hh * n, n, m[hh], l[hh], acc + hh * D, D);
       kernels.values(vbody, r0, n, s, int(group), acc, weights);
@@ -358,7 +362,7 @@ struct Layer {
 
   int64_t scratch_floats() const {
     const int64_t rows = 2 * kBlock * D;
-    if (fused()) return group * (2 + D + 2 * G + kBodyBlock + kBodyBlock * G) + rows;
+    if (fused()) return group * (2 + D + 2 * G + kBodyBlock + kBodyBlock * G + kPreparedBytes / 4) + 8 + rows;
     return kBlock * group * (2 + D) + rows + kBlock;
   }
 };
@@ -594,7 +598,7 @@ void body_value_weights(const BodyView& b, int64_t row0, int n, const float* p, 
 namespace {
 
 void scalar_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads,
-                   float* scores) {
+                   float* scores, const void* /*prepared*/) {
   const int64_t code_bytes = b.head_dim * b.bits / 8;
   float lv[128];
   for (int j = 0; j < n; ++j) {
@@ -649,7 +653,9 @@ float scalar_dot(const float* a, const float* b, int64_t n) { return dot(a, b, n
 
 void scalar_axpy(float* acc, float w, const float* x, int64_t n) { axpy(acc, w, x, n); }
 
+void no_prepare(const BodyView&, const float*, int, void*) {}
+
 const BodyKernels kScalarKernels = {scalar_scores,  scalar_values,   scalar_scale_max, scalar_exp_sum,
-                                    scalar_load_f16, scalar_dot,     scalar_axpy};
+                                    scalar_load_f16, scalar_dot,     scalar_axpy,      no_prepare};
 
 }  // namespace oscar

@@ -30,8 +30,9 @@ struct BodyView {
 struct BodyKernels {
   // scores[h*n + j] = q_h . dequant(row0 + j) for heads h < heads; q [heads, head_dim],
   // qsum [heads, groups] = sum of q_h over each group.
+  // prepared: what prepare() wrote for these heads.
   void (*scores)(const BodyView& body, int64_t row0, int n, const float* q, const float* qsum, int heads,
-                 float* scores);
+                 float* scores, const void* prepared);
   // acc[h*head_dim + i] += sum_j p[h*n + j] * dequant(row0 + j)[i]; scratch holds (n+1)*heads*groups floats.
   void (*values)(const BodyView& body, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch);
   // Online softmax pieces: s[j] *= scaling, returning the max; then s[j] = exp(s[j] - m), returning the sum.
@@ -41,7 +42,13 @@ struct BodyKernels {
   void (*load_f16)(const uint16_t* src, int64_t n, float* dst);
   float (*dot)(const float* a, const float* b, int64_t n);
   void (*axpy)(float* acc, float w, const float* x, int64_t n);
+  // Query set-up done once per call rather than per block: writes kPreparedBytes per head
+  // (32-byte aligned) that every scores() call of the call reads.
+  void (*prepare)(const BodyView& body, const float* q, int heads, void* prepared);
 };
+
+// No per-call query set-up (the scalar kernels and the non-planar SIMD paths).
+void no_prepare(const BodyView& body, const float* q, int heads, void* prepared);
 
 // The portable pieces, shared by the scalar and NEON kernel sets.
 float scalar_scale_max(float* s, int n, float scaling);
@@ -122,6 +129,8 @@ struct SplitQuery {
 
 }  // namespace
 
+constexpr int64_t kPreparedBytes = sizeof(SplitQuery);
+
 // A SIMD kernel set is a class template Impl<BITS, NH> with static scores() and values() for NH
 // (1..4) query heads at a time, so each unpacked word feeds NH register accumulators. These
 // instantiate it for bits 2..4 and walk the heads in chunks of 4. Impl must have internal
@@ -146,7 +155,8 @@ void with_impl(int bits, int nh, F&& f) {
 }
 
 template <template <int, int> class Impl>
-void fused_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads, float* scores) {
+void fused_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads, float* scores,
+                  const void* /*prepared*/) {
   for (int h0 = 0; h0 < heads; h0 += 4)
     with_impl<Impl>(b.bits, heads - h0, [&](auto impl) { impl.scores(b, row0, n, q, qsum, h0, scores); });
 }

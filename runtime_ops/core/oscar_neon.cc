@@ -142,23 +142,17 @@ inline float group_dot(const uint8x16_t* c, int vectors, const SplitQuery& sq, i
 }
 
 template <int BITS>
-void planar_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads,
-                   float* scores) {
+void planar_scores(const BodyView& b, int64_t row0, int n, const float* qsum, int heads, float* scores,
+                   const SplitQuery* sq) {
   const int D = b.head_dim, cd = b.cluster_dim, G = b.groups, group_bytes = cd * BITS / 8, code_bytes = D * BITS / 8;
-  SplitQuery sq[4];
-  for (int h0 = 0; h0 < heads; h0 += 4) {
-    const int nh = min_int(4, heads - h0);
-    for (int k = 0; k < nh; ++k) sq[k].set(q + (h0 + k) * D, BITS, D, cd);
-    for (int j = 0; j < n; ++j) {
-      const int64_t row = row0 + j;
-      float score[4] = {};
-      for (int g = 0; g < G; ++g) {
-        uint8x16_t c[8];
-        expand_group<BITS>(b.codes + row * code_bytes + g * group_bytes, cd, c);
-        const float s = half_to_float(b.scale[row * G + g]), z = half_to_float(b.zero[row * G + g]);
-        for (int k = 0; k < nh; ++k) score[k] += s * group_dot(c, cd / 16, sq[k], g, cd) + z * qsum[(h0 + k) * G + g];
-      }
-      for (int k = 0; k < nh; ++k) scores[(h0 + k) * n + j] = score[k];
+  for (int j = 0; j < n; ++j) {
+    const int64_t row = row0 + j;
+    for (int h = 0; h < heads; ++h) scores[h * n + j] = 0.0f;
+    for (int g = 0; g < G; ++g) {
+      uint8x16_t c[8];
+      expand_group<BITS>(b.codes + row * code_bytes + g * group_bytes, cd, c);
+      const float s = half_to_float(b.scale[row * G + g]), z = half_to_float(b.zero[row * G + g]);
+      for (int h = 0; h < heads; ++h) scores[h * n + j] += s * group_dot(c, cd / 16, sq[h], g, cd) + z * qsum[h * G + g];
     }
   }
 }
@@ -212,10 +206,18 @@ void planar_values(const BodyView& b, int64_t row0, int n, const float* p, int h
   }
 }
 
-void neon_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads, float* scores) {
-  if (n > kPlanarRows || !planar(b)) return fused_scores<Neon>(b, row0, n, q, qsum, heads, scores);
-  if (b.bits == 2) return planar_scores<2>(b, row0, n, q, qsum, heads, scores);
-  planar_scores<4>(b, row0, n, q, qsum, heads, scores);
+void neon_prepare(const BodyView& b, const float* q, int heads, void* prepared) {
+  if (!planar(b)) return;
+  SplitQuery* sq = static_cast<SplitQuery*>(prepared);
+  for (int h = 0; h < heads; ++h) sq[h].set(q + h * b.head_dim, b.bits, b.head_dim, b.cluster_dim);
+}
+
+void neon_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads, float* scores,
+                 const void* prepared) {
+  if (n > kPlanarRows || !planar(b)) return fused_scores<Neon>(b, row0, n, q, qsum, heads, scores, prepared);
+  const SplitQuery* sq = static_cast<const SplitQuery*>(prepared);
+  if (b.bits == 2) return planar_scores<2>(b, row0, n, qsum, heads, scores, sq);
+  planar_scores<4>(b, row0, n, qsum, heads, scores, sq);
 }
 
 void neon_values(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch) {
@@ -227,6 +229,6 @@ void neon_values(const BodyView& b, int64_t row0, int n, const float* p, int hea
 }  // namespace
 
 const BodyKernels kNeonKernels = {neon_scores,     neon_values, scalar_scale_max, scalar_exp_sum,
-                                  scalar_load_f16, scalar_dot,  scalar_axpy};
+                                  scalar_load_f16, scalar_dot,  scalar_axpy,      neon_prepare};
 
 }  // namespace oscar
