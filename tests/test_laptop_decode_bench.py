@@ -13,8 +13,7 @@ from oscar_export.cache import cache_bytes  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
 from oscar_export.export.graph import OscarCausalLM  # noqa: E402
-from oscar_export.export.ort_decode_bench import (FP32_FILE, Fp32Decoder, bench_decode, fill_oscar_cache,  # noqa: E402
-                                                  fp32_decoder)
+from oscar_export.export.ort_decode_bench import Fp32Decoder, bench_decode, fill_oscar_cache, fp32_decoder  # noqa: E402
 from oscar_export.export.ort_runner import OrtLM  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
 
@@ -43,7 +42,9 @@ def test_report_shape_and_consistency(report, bundled):
     # One set of timings behind every number: speedup = fp32 / oscar, in ms and in tokens/s.
     assert r["speedup"] == pytest.approx(r["fp32_ms"] / r["oscar_ms"], rel=1e-3)
     assert r["speedup"] == pytest.approx(r["oscar_tokens_per_s"] / r["fp32_tokens_per_s"], rel=1e-3)
-    assert r["oscar_tokens_per_s"] == pytest.approx(1e3 / r["oscar_ms"], rel=1e-3)
+    assert r["speedup_shared"] == pytest.approx(r["fp32_shared_ms"] / r["oscar_ms"], rel=1e-3)
+    for name in ("oscar", "fp32", "fp32_shared"):
+        assert r[f"{name}_tokens_per_s"] == pytest.approx(1e3 / r[f"{name}_ms"], rel=1e-3)
     shape = bundled[0].config
     assert r["oscar_cache_bytes"] == cache_bytes(OscarConfig(), shape.num_hidden_layers, shape.num_key_value_heads,
                                                  shape.head_dim, CONTEXT)
@@ -69,16 +70,21 @@ def test_oscar_decode_from_the_synthetic_state_matches_the_eager_module(report, 
         token = int(want.argmax())
 
 
-def test_fp32_decoder_matches_transformers(bundled, tmp_path):
-    """The fp32 graph after a real prompt: the next logits of transformers with its own fp32 cache, step by step."""
+@pytest.mark.parametrize("shared", [False, True])
+def test_fp32_decoder_matches_transformers(bundled, tmp_path, shared):
+    """An fp32 graph after a real prompt: the next logits of transformers with its own fp32 cache, step by step."""
     model, tokenizer = bundled
-    onnx.save(fp32_decoder(model), tmp_path / FP32_FILE, save_as_external_data=True, location="w.data")
-    decoder = Fp32Decoder(tmp_path / FP32_FILE, threads=1)
+    onnx.save(fp32_decoder(model, shared), tmp_path / "fp32.onnx", save_as_external_data=True, location="w.data")
+    decoder = Fp32Decoder(tmp_path / "fp32.onnx", threads=1)
     ids = tokenizer((BUNDLED_MODEL_DIR / "heldout.txt").read_text()[:1000])["input_ids"][:40]
     with torch.no_grad():
         out = model(torch.tensor([ids]), use_cache=True)
         cache = out.past_key_values
-        decoder.start([t.numpy().copy() for layer in cache.layers for t in (layer.keys, layer.values)])
+        past = [t.numpy().copy() for layer in cache.layers for t in (layer.keys, layer.values)]
+        if shared:  # buffers with room for the steps; rows past the cached tokens must not be read
+            room = np.full((1, past[0].shape[1], 8, past[0].shape[3]), 1e4, np.float32)
+            past = [np.concatenate([p, room], axis=2) for p in past]
+        decoder.start(past, len(ids))
         token = int(out.logits[0, -1].argmax())
         for step in range(3):
             got = decoder.step(token)

@@ -1,17 +1,19 @@
 """End-to-end decode tokens/s in ONNX Runtime: the laptop artifact (OSCAR cache, native op) against
 the same model with a standard fp32 KV cache.
 
-Both variants hold the same float32 weights, so only the cache differs. OSCAR: the model.onnx that
+All variants hold the same float32 weights, so only the cache differs. OSCAR: the model.onnx that
 export_laptop writes, run by OrtLM (cache buffers bound once, appended in place by the op). fp32: a
 decode graph of standard ONNX ops built here from the same Hugging Face weights, in the layout ONNX
 Runtime decoders use: past K/V inputs [1, Hkv, past, D] and present outputs (the past with the new
-token concatenated), bound with IO binding and fed back as the next step's past.
+token concatenated), bound with IO binding and fed back as the next step's past. fp32 shared: the
+same graph with ONNX Runtime's GroupQueryAttention over max-length fp32 buffers bound as both past and
+present, so it appends in place as OSCAR does (the onnxruntime-genai layout): no per-step copy.
 
 Decode cost does not depend on the values in the cache, and prefilling a long context through the
 model would take minutes on a laptop CPU, so both caches start from a synthetic state: OSCAR's fp16
 windows hold random rows and its packed body random rows quantized by the reference codec; the fp32
-past holds random values. Then both decode greedily in alternating blocks of steps, so a noisy machine
-slows both alike, and the median step latency (logits and argmax included) gives tokens/s.
+past holds random values. Then all decode greedily in alternating blocks of steps, so a noisy machine
+slows all alike, and the median step latency (logits and argmax included) gives tokens/s.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from .ort_runner import OrtLM
 
 WARMUP = 4  # untimed steps per variant before the timed ones
 BLOCK = 8  # steps each variant runs in turn
-FP32_FILE = "fp32_decoder.onnx"
+FP32_FILE, SHARED_FILE = "fp32_decoder.onnx", "fp32_shared_decoder.onnx"
 WEIGHTS = "float32 in both variants"
 
 
@@ -105,11 +107,13 @@ class _Builder:
         return self.op("Mul", scaled, self.const(norm.weight.detach().float().numpy()))
 
 
-def fp32_decoder(model) -> onnx.ModelProto:
-    """One-token decode graph of a Llama-family model with an fp32 KV cache, standard ONNX ops only.
+def fp32_decoder(model, shared: bool = False) -> onnx.ModelProto:
+    """One-token decode graph of a Llama-family model with an fp32 KV cache.
 
     Inputs input_ids int64 [1, 1], past.{i}.key / past.{i}.value float [1, Hkv, past, D]; outputs logits
-    [1, 1, vocab], present.{i}.key / present.{i}.value [1, Hkv, past + 1, D].
+    [1, 1, vocab], present.{i}.key / present.{i}.value [1, Hkv, past + 1, D]; standard ONNX ops only.
+    shared: attention is GroupQueryAttention (com.microsoft) over buffers of capacity `max` tokens that
+    the host binds as both past and present; an input `position` int64 [1] counts the cached tokens.
     """
     text = model.get_decoder()
     cfg = model.config.get_text_config()
@@ -120,8 +124,12 @@ def fp32_decoder(model) -> onnx.ModelProto:
     d = attn.head_dim
     q_heads, kv_heads = attn.q_proj.out_features // d, attn.k_proj.out_features // d
     g = _Builder()
-    # RoPE at position `past`, the token's index, as transformers computes it.
-    position = g.op("Cast", g.op("Shape", "past.0.key", start=2, end=3), to=TensorProto.FLOAT)
+    # RoPE at the token's index (the cached tokens), as transformers computes it.
+    cached = "position" if shared else g.op("Shape", "past.0.key", start=2, end=3)
+    position = g.op("Cast", cached, to=TensorProto.FLOAT)
+    if shared:
+        seqlens = g.op("Cast", cached, to=TensorProto.INT32)
+        total = g.op("Cast", g.op("Add", cached, g.const(np.array([1]))), to=TensorProto.INT32)
     freqs = g.op("Mul", position, g.const(text.rotary_emb.inv_freq.float().numpy()))
     emb = g.op("Concat", freqs, freqs, axis=0)
     scaling = g.const(np.float32(text.rotary_emb.attention_scaling))
@@ -137,18 +145,28 @@ def fp32_decoder(model) -> onnx.ModelProto:
     for i, block in enumerate(text.layers):
         attn = block.self_attn
         x = g.rms_norm(h, block.input_layernorm)
-        # One token: heads reshape straight to [1, H, 1, D]; the score scale goes on q, not on every score.
-        q = g.op("Reshape", g.linear(x, attn.q_proj), g.const(np.array([1, q_heads, 1, d])))
-        q = g.op("Mul", rope(q), g.const(np.float32(attn.scaling)))
+        # One token: heads reshape straight to [1, H, 1, D].
+        q = rope(g.op("Reshape", g.linear(x, attn.q_proj), g.const(np.array([1, q_heads, 1, d]))))
         k = rope(g.op("Reshape", g.linear(x, attn.k_proj), g.const(np.array([1, kv_heads, 1, d]))))
-        v = g.op("Reshape", g.linear(x, attn.v_proj), g.const(np.array([1, kv_heads, 1, d])))
-        keys = g.op("Concat", f"past.{i}.key", k, axis=2, out=f"present.{i}.key")
-        values = g.op("Concat", f"past.{i}.value", v, axis=2, out=f"present.{i}.value")
-        # Grouped-query attention: the query heads of KV head h are rows of one [group, D] matrix.
-        grouped = g.op("Reshape", q, g.const(np.array([1, kv_heads, q_heads // kv_heads, d])))
-        scores = g.op("MatMul", grouped, g.op("Transpose", keys, perm=[0, 1, 3, 2]))
-        out = g.op("MatMul", g.op("Softmax", scores, axis=-1), values)
-        out = g.op("Reshape", out, g.const(np.array([1, 1, q_heads * d])))
+        if shared:
+            flat = [g.op("Reshape", t, g.const(np.array([1, 1, -1]))) for t in (q, k)]
+            node = helper.make_node("GroupQueryAttention", [*flat, g.linear(x, attn.v_proj), f"past.{i}.key",
+                                                            f"past.{i}.value", seqlens, total],
+                                    [f"attention_{i}", f"present.{i}.key", f"present.{i}.value"],
+                                    domain="com.microsoft", num_heads=q_heads, kv_num_heads=kv_heads,
+                                    scale=float(attn.scaling))
+            g.nodes.append(node)
+            out = f"attention_{i}"
+        else:
+            v = g.op("Reshape", g.linear(x, attn.v_proj), g.const(np.array([1, kv_heads, 1, d])))
+            keys = g.op("Concat", f"past.{i}.key", k, axis=2, out=f"present.{i}.key")
+            values = g.op("Concat", f"past.{i}.value", v, axis=2, out=f"present.{i}.value")
+            # The query heads of KV head h are rows of one [group, D] matrix; the scale goes on q, not on scores.
+            grouped = g.op("Reshape", q, g.const(np.array([1, kv_heads, q_heads // kv_heads, d])))
+            grouped = g.op("Mul", grouped, g.const(np.float32(attn.scaling)))
+            scores = g.op("MatMul", grouped, g.op("Transpose", keys, perm=[0, 1, 3, 2]))
+            out = g.op("MatMul", g.op("Softmax", scores, axis=-1), values)
+            out = g.op("Reshape", out, g.const(np.array([1, 1, q_heads * d])))
         h = g.op("Add", h, g.linear(out, attn.o_proj))
         x = g.rms_norm(h, block.post_attention_layernorm)
         gate = g.linear(x, block.mlp.gate_proj)
@@ -158,41 +176,57 @@ def fp32_decoder(model) -> onnx.ModelProto:
 
     layers = range(len(text.layers))
     cache = [f"past.{i}.{part}" for i in layers for part in ("key", "value")]
+    past, present = ("max", "max") if shared else ("past", "present")
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, 1])]
-    inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, kv_heads, "past", d]) for name in cache]
+    if shared:
+        inputs.append(helper.make_tensor_value_info("position", TensorProto.INT64, [1]))
+    inputs += [helper.make_tensor_value_info(name, TensorProto.FLOAT, [1, kv_heads, past, d]) for name in cache]
     outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, 1, cfg.vocab_size])]
     outputs += [helper.make_tensor_value_info(name.replace("past", "present"), TensorProto.FLOAT,
-                                              [1, kv_heads, "present", d]) for name in cache]
+                                              [1, kv_heads, present, d]) for name in cache]
     graph = helper.make_graph(g.nodes, "fp32_decoder", inputs, outputs, g.initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
     model.ir_version = 8
     return model
 
 
 class Fp32Decoder:
-    """The fp32 decode graph in ONNX Runtime: present outputs become the next step's past inputs."""
+    """An fp32 decode graph in ONNX Runtime. Concatenating graph: present outputs become the next step's past
+    inputs. Shared graph: each past buffer is bound as its present too, and GroupQueryAttention appends in place."""
 
     def __init__(self, path: Path, threads: int):
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        self.past = [i.name for i in self.session.get_inputs()[1:]]
-        self.binding = self.session.io_binding()
+        self.past = [i.name for i in self.session.get_inputs() if i.name.startswith("past.")]
+        self.shared = any(i.name == "position" for i in self.session.get_inputs())
+        self.binding, self.length = self.session.io_binding(), 0
 
-    def start(self, past: list[np.ndarray]) -> None:
+    def start(self, past: list[np.ndarray], length: int) -> None:
+        """Bind the cache: arrays of `length` tokens, or for the shared graph of its capacity with `length` used."""
+        self.length = length
+        self.binding.bind_output("logits", "cpu")  # first, so it is the first output
         for name, array in zip(self.past, past):
-            self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array))
+            value = ort.OrtValue.ortvalue_from_numpy(array)
+            self.binding.bind_ortvalue_input(name, value)
+            if self.shared:
+                self.binding.bind_ortvalue_output(name.replace("past", "present"), value)
 
     def step(self, token: int) -> np.ndarray:
         """Logits [vocab] after one token; the cache grows by it."""
         self.binding.bind_cpu_input("input_ids", np.array([[token]], np.int64))
-        self.binding.bind_output("logits", "cpu")
-        for name in self.past:
-            self.binding.bind_output(name.replace("past", "present"), "cpu")
+        if self.shared:
+            self.binding.bind_cpu_input("position", np.array([self.length], np.int64))
+        else:  # a fresh present of one more token each step
+            for name in self.past:
+                self.binding.bind_output(name.replace("past", "present"), "cpu")
         self.session.run_with_iobinding(self.binding)
         logits, *present = self.binding.get_outputs()
-        for name, value in zip(self.past, present):
-            self.binding.bind_ortvalue_input(name, value)
+        if not self.shared:
+            for name, value in zip(self.past, present):
+                self.binding.bind_ortvalue_input(name, value)
+        self.length += 1
         return logits.numpy()[0, -1]
 
 
@@ -218,7 +252,9 @@ def _step_times(steppers: dict, token: int, steps: int) -> dict[str, list[float]
 
 def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_name: str = "bundled",
                  config: OscarConfig | None = None, work_dir=None) -> dict:
-    """Decode tokens/s of the OSCAR artifact and of the fp32-cache graph at each context, in one run.
+    """Decode tokens/s of the OSCAR artifact and of both fp32-cache graphs at each context, in one run.
+
+    speedup compares with the concatenating fp32 graph, speedup_shared with the shared-buffer one.
 
     Each variant starts from a synthetic cache of context - WARMUP - steps - 1 tokens, so the timed steps
     end one token short of `context`. work_dir keeps the exported models (default: a temporary directory).
@@ -238,8 +274,10 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
     with tempfile.TemporaryDirectory(prefix="oscar-decode-bench-") as temp:
         work = Path(work_dir or temp)
         work.mkdir(parents=True, exist_ok=True)
-        onnx.save(fp32_decoder(model), work / FP32_FILE, save_as_external_data=True, location=FP32_FILE + ".data")
-        fp32 = Fp32Decoder(work / FP32_FILE, threads)
+        fp32 = {}
+        for name, file, shared in (("fp32", FP32_FILE, False), ("fp32_shared", SHARED_FILE, True)):
+            onnx.save(fp32_decoder(model, shared), work / file, save_as_external_data=True, location=file + ".data")
+            fp32[name] = Fp32Decoder(work / file, threads)
         results = []
         for context in contexts:
             length = context - WARMUP - steps - 1
@@ -248,20 +286,27 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
             oscar.length = length
             heads, _, head_dim = oscar.cache["layer0.k_sink"].shape
             layers = len(oscar.cache) // len(CACHE_NAMES)
-            fp32.start([rng.standard_normal((1, heads, length, head_dim), dtype=np.float32)
-                        for _ in range(2 * layers)])
-            times = _step_times({"oscar": lambda t: oscar.step([t]), "fp32": fp32.step},
+            past = [rng.standard_normal((1, heads, length, head_dim), dtype=np.float32) for _ in range(2 * layers)]
+            fp32["fp32"].start(past, length)
+            full = [np.zeros((1, heads, context, head_dim), np.float32) for _ in past]
+            for buffer, rows in zip(full, past):
+                buffer[:, :, :length] = rows
+            fp32["fp32_shared"].start(full, length)
+            times = _step_times({"oscar": lambda t: oscar.step([t]), **{n: d.step for n, d in fp32.items()}},
                                 int(rng.integers(model.config.get_text_config().vocab_size)), steps)
             ms = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
-            results.append({"context": context,
-                            "oscar_tokens_per_s": round(1e3 / ms["oscar"], 2),
-                            "fp32_tokens_per_s": round(1e3 / ms["fp32"], 2),
-                            "speedup": round(ms["fp32"] / ms["oscar"], 3),
-                            "oscar_ms": round(ms["oscar"], 4), "fp32_ms": round(ms["fp32"], 4),
-                            "oscar_cache_bytes": sum(a.nbytes for a in oscar.cache.values()),
-                            "fp32_cache_bytes": 2 * layers * heads * context * head_dim * 4})
+            result = {"context": context}
+            for name in ms:
+                result[f"{name}_tokens_per_s"] = round(1e3 / ms[name], 2)
+            result["speedup"] = round(ms["fp32"] / ms["oscar"], 3)
+            result["speedup_shared"] = round(ms["fp32_shared"] / ms["oscar"], 3)
+            result.update({f"{name}_ms": round(value, 4) for name, value in ms.items()})
+            result["oscar_cache_bytes"] = sum(a.nbytes for a in oscar.cache.values())
+            result["fp32_cache_bytes"] = 2 * layers * heads * context * head_dim * 4
+            results.append(result)
             del oscar  # its session and buffers before the next, larger context
     return {"results": results, "threads": threads, "steps": steps, "weights": WEIGHTS, "model": model_name,
             "config": config.to_dict(),
-            "state": f"synthetic: random fp16 windows and codec-quantized random body rows (OSCAR), random fp32 past; "
+            "state": f"synthetic: random fp16 windows and codec-quantized random body rows (OSCAR), the same random "
+                     f"fp32 past for both fp32 graphs; "
                      f"{WARMUP} untimed steps, then {steps} timed greedy steps ending at context - 1 tokens"}
