@@ -108,8 +108,8 @@ def _print_plan(p: dict) -> None:
     w = p["weights_breakdown"]
     table.add_row(f"weights ({p['weight_bits']}-bit linear, {p['embedding_bits']}-bit embeddings)",
                   _gib(p["weights_bytes"]), _gib(p["weights_bytes"]))
-    table.add_row("  linear layers / embeddings / lm_head",
-                  f"{_gib(w['linear'])} / {_gib(w['embeddings'])} / {_gib(w['lm_head'])}", "")
+    table.add_row("  linear layers / embeddings / lm_head / K rotations",
+                  f"{_gib(w['linear'])} / {_gib(w['embeddings'])} / {_gib(w['lm_head'])} / {_gib(w['rotations'])}", "")
     table.add_row("KV bytes per token", f"{p['kv_bytes_per_token']:,}", f"{p['kv_bytes_per_token_fp16']:,}")
     table.add_row(f"KV cache at {p['context']} tokens", _gib(p["kv_bytes"]), _gib(p["kv_bytes_fp16"]))
     table.add_row("bits per K/V element", f"{p['bits_per_element']:.3f}", "16.000")
@@ -286,6 +286,10 @@ def cmd_parity(args: argparse.Namespace) -> int:
     from .parity import run_parity
     from .report import read_tokens
 
+    if args.artifact is not None:  # the artifact's runtimes against the eager graph (parity.py)
+        from .parity import artifact_parity_command
+
+        return artifact_parity_command(args, out)
     model, tokenizer = load_model(args.model)
     if torch.cuda.is_available():
         model = model.cuda()
@@ -379,6 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive_int, default=16, help="greedy steps (default %(default)s)")
     p.add_argument("--rotations", default="hadamard",
                    help="hadamard, online, none, or a rotation file (default %(default)s)")
+    p.add_argument("--artifact", type=Path,
+                   help="an exported artifact: compare its runtimes with the eager graph instead "
+                        "(--model, --rotations and the cache flags then come from its manifest)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_cache_flags(p)
     p.set_defaults(func=cmd_parity)

@@ -136,3 +136,92 @@ def run_parity(model, prompt: torch.Tensor, steps: int, config: OscarConfig, rot
         report["runtimes"][name] = row
     report["ok"] = all(row["ok"] for row in report["runtimes"].values())
     return report
+
+
+# -- exported artifacts ------------------------------------------------------------------------------
+
+# End to end on an artifact: the logits limit of compare_tokens, as an absolute and a relative figure.
+ARTIFACT_THRESHOLDS = {"logits_max_rel_error": 1e-2, "codes_mismatch_fraction": 1e-3}
+
+
+def run_artifact_parity(directory, ids: list[int], steps: int) -> dict:
+    """An exported artifact's runtimes against the eager graph (graph.OscarCausalLM) on the same prompt.
+
+    The artifact's target CLI module provides parity_runtimes() {name: how}, unavailable_runtimes()
+    {name: why}, trace(directory, runtime, ids, steps) and reference_trace(directory, ids, steps),
+    each trace a dict of greedy `tokens`, per-step `logits` (the prefill's, then each decode step's)
+    and the packed body `codes` by cache name (uint8, format.md layout).
+    """
+    import numpy as np
+
+    from .config import OscarInputError
+    from .export.artifact import load_manifest
+    from .targets import cli_module
+
+    manifest = load_manifest(directory)
+    module = cli_module(manifest["target"])
+    if module is None or not hasattr(module, "trace"):
+        raise OscarInputError(f"--artifact {str(directory)!r}: parity is not available for the "
+                              f"{manifest['target']} target yet: expected an ios artifact")
+    reference = module.reference_trace(directory, ids, steps)
+    report = {
+        "artifact": str(directory),
+        "target": manifest["target"],
+        "prompt_tokens": len(ids),
+        "steps": steps,
+        "config": manifest["config"],
+        "weights": manifest["weights"],
+        "thresholds": ARTIFACT_THRESHOLDS,
+        "unavailable": module.unavailable_runtimes(),
+        "runtimes": {},
+    }
+    for name, how in {"reference": "eager graph.OscarCausalLM (PyTorch)", **module.parity_runtimes()}.items():
+        got = reference if name == "reference" else module.trace(directory, name, ids, steps)
+        abs_err = max(float(np.abs(a - b).max()) for a, b in zip(got["logits"], reference["logits"]))
+        rel_err = max(float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+                      for a, b in zip(got["logits"], reference["logits"]))
+        mismatched = total = 0
+        for cache_name, want in reference["codes"].items():
+            bits = manifest["config"][f"{cache_name.split('.')[1][0]}_bits"]
+            a = unpack_codes(torch.from_numpy(np.ascontiguousarray(got["codes"][cache_name])), bits)
+            b = unpack_codes(torch.from_numpy(want), bits)
+            mismatched += int((a != b).sum())
+            total += a.numel()
+        row = {"how": how, "tokens_match": got["tokens"] == reference["tokens"], "tokens": got["tokens"],
+               "logits_max_abs_error": abs_err, "logits_max_rel_error": rel_err,
+               "codes_mismatched": mismatched, "codes_mismatch_fraction": mismatched / max(total, 1)}
+        row["ok"] = row["tokens_match"] and all(row[key] <= limit for key, limit in ARTIFACT_THRESHOLDS.items())
+        report["runtimes"][name] = row
+    report["ok"] = all(row["ok"] for row in report["runtimes"].values())
+    return report
+
+
+def artifact_parity_command(args, out) -> int:
+    """`oscar-export parity --artifact DIR`: run_artifact_parity on the artifact's tokenizer; `out` is the CLI console."""
+    import json
+
+    from rich.table import Table
+    from transformers import AutoTokenizer
+
+    from .export.artifact import load_manifest
+    from .report import read_tokens
+
+    load_manifest(args.artifact)
+    tokenizer = AutoTokenizer.from_pretrained(args.artifact, local_files_only=True)
+    ids = read_tokens(tokenizer, args.text, args.prompt_tokens)[0].tolist()
+    report = run_artifact_parity(args.artifact, ids, args.steps)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        table = Table(title=f"Parity of {args.artifact} ({report['target']}, weights {report['weights']}): "
+                            f"{len(ids)}-token prompt, {args.steps} greedy steps")
+        for col in ("runtime", "codes mismatch", "logits max abs err", "logits max rel err", "tokens", "verdict"):
+            table.add_column(col)
+        for name, r in report["runtimes"].items():
+            table.add_row(f"{name} ({r['how']})", f"{r['codes_mismatch_fraction']:.2e} ({r['codes_mismatched']})",
+                          f"{r['logits_max_abs_error']:.2e}", f"{r['logits_max_rel_error']:.2e}",
+                          "match" if r["tokens_match"] else "DIFFER", "ok" if r["ok"] else "FAIL")
+        out.print(table)
+        for name, why in report["unavailable"].items():
+            out.print(f"runtime {name} skipped: {why}")
+    return 0 if report["ok"] else 1

@@ -42,20 +42,20 @@ def output_names(layers: int) -> list[str]:
     return ["logits", *(f"layer{i}_{name}" for i in range(layers) for name in ROW_NAMES)]
 
 
-def check_layout(module: OscarCausalLM, max_context: int) -> None:
+def check_layout(sink: int, recent: int, max_context: int) -> None:
     """Core ML cannot take zero-sized inputs: every cache region needs slots."""
-    cfg = module.config
-    if cfg.sink <= 0 or cfg.recent <= 0:
-        raise OscarInputError(f"sink={cfg.sink}, recent={cfg.recent}: the ios target needs both windows > 0 "
-                              "(Core ML inputs cannot be empty)")
-    if max_context <= cfg.sink + cfg.recent:
+    for name, value in (("sink", sink), ("recent", recent)):
+        if value <= 0:
+            raise OscarInputError(f"--{name} {value}: the ios target needs a window of at least 1 token "
+                                  "(Core ML inputs cannot be empty)")
+    if max_context <= sink + recent:
         raise OscarInputError(f"--context {max_context} leaves no packed body: expected more than sink + recent = "
-                              f"{cfg.sink + cfg.recent} tokens")
+                              f"{sink + recent} tokens")
 
 
 def trace(module: OscarCausalLM, max_context: int, max_chunk: int) -> torch.export.ExportedProgram:
     """torch.export of the module with the oscar ops composed of standard ops, T dynamic."""
-    check_layout(module, max_context)
+    check_layout(module.config.sink, module.config.recent, max_context)
     cache = [torch.zeros(shape, dtype={np.float16: torch.float16, np.int32: torch.int32}[dtype])
              for _, shape, dtype in cache_inputs(module, max_context)]
     example = (torch.zeros(1, min(8, max_chunk), dtype=torch.int32), torch.zeros(1, dtype=torch.int32), *cache)
@@ -82,7 +82,6 @@ def trace(module: OscarCausalLM, max_context: int, max_chunk: int) -> torch.expo
 def unsupported_ops(program: torch.export.ExportedProgram) -> list[str]:
     """'op (in module path)' for every node coremltools' torch frontend cannot convert."""
     from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY
-    from coremltools.converters.mil.frontend.torch.utils import sanitize_op_kind
 
     register_coreml_ops()
     found = []
@@ -91,7 +90,7 @@ def unsupported_ops(program: torch.export.ExportedProgram) -> list[str]:
             continue
         target = node.target
         kind = target.name() if hasattr(target, "name") else getattr(target, "__name__", str(target))
-        if sanitize_op_kind(kind) in _TORCH_OPS_REGISTRY:
+        if _TORCH_OPS_REGISTRY.get_func(kind) is not None:
             continue
         stack = node.meta.get("nn_module_stack") or {}
         where = list(stack.values())[-1][0] if stack else "the model's top level"

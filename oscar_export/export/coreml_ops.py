@@ -50,7 +50,7 @@ def register_coreml_ops() -> None:
     from coremltools.converters.mil.frontend.torch.ops import _get_inputs
     from coremltools.converters.mil.frontend.torch.torch_op_registry import _TORCH_OPS_REGISTRY, register_torch_op
 
-    if "oscar::int_floor_div" in _TORCH_OPS_REGISTRY:
+    if _TORCH_OPS_REGISTRY.get_func("oscar::int_floor_div") is not None:
         return
 
     @register_torch_op(torch_alias=["oscar::int_floor_div"])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import OscarInputError
+from ..config import OscarConfig, OscarInputError
 from .artifact import (ROTATION_FILE, check_out, config_for, eos_ids, file_table, load_manifest, manifest_format,
                        prompt_ids, staged, write_manifest)
 
@@ -72,14 +72,16 @@ def export_ios(model_name: str, out, rotations: str = "hadamard", max_context: i
     if rotations == "online":
         raise OscarInputError("--rotations online estimates rotations from each prompt and cannot be exported: "
                               "expected hadamard, none or a rotation file (oscar-export calibrate)")
-    model, tokenizer = load_model(model_name)
     shape = model_shape(model_name)
     max_context = max_context or min(4096, shape.max_position_embeddings or 4096)
+    defaults = OscarConfig()
+    check_layout(defaults.sink if config_fields.get("sink") is None else config_fields["sink"],
+                 defaults.recent if config_fields.get("recent") is None else config_fields["recent"], max_context)
+    model, tokenizer = load_model(model_name)
     max_chunk = min(MAX_CHUNK, max_context)
     resolved = _resolve_rotations(rotations, model)
     config = config_for(resolved, **config_fields)
     module = build_module(model, config, resolved)
-    check_layout(module, max_context)
     mlmodel = convert(module, max_context, max_chunk, float_weights)
     with staged(out) as temp:
         mlmodel.save(str(temp / MODEL_FILE))

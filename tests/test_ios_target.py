@@ -1,0 +1,305 @@
+"""The ios target: the oscar op as int32-safe Core ML compositions, the converted program checked in numpy
+(mil_eval) against the eager graph, the fp16 check, 4-bit weights, the CLI and parity --artifact.
+
+The bundled model is converted once (module fixture, ~1-2 min on 2 cores) through the CLI.
+"""
+
+import json
+import platform
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from native_cases import GOLDEN, golden_case, random_case, rel_err, same_bits
+
+ct = pytest.importorskip("coremltools")
+
+from oscar_export.cli import main  # noqa: E402
+from oscar_export.config import OscarConfig, OscarInputError  # noqa: E402
+from oscar_export.export import coreml  # noqa: E402
+from oscar_export.export import coreml_ops  # noqa: E402
+from oscar_export.export.coreml_ops import ROW_NAMES, apply_rows, attention_rows  # noqa: E402
+from oscar_export.export.coreml_runner import CoreMLLM, coreml_available, load  # noqa: E402
+from oscar_export.export.graph import CACHE_NAMES, OscarCausalLM  # noqa: E402
+from oscar_export.export.ios import cache_bits_per_element, reference_trace  # noqa: E402
+from oscar_export.export.mil_eval import MilProgram, saved_program, weights  # noqa: E402
+from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
+from tiny_models import tiny_model  # noqa: E402
+
+CONTEXT, PROMPT, STEPS = 1024, 400, 32  # sink 64 + recent 256: the prompt puts 80 tokens in the body
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    _, tokenizer = load_model("bundled")
+    return tokenizer((BUNDLED_MODEL_DIR / "heldout.txt").read_text(), verbose=False)["input_ids"][:PROMPT]
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    """The bundled model exported by the CLI with float weights, context 1024, default cache flags."""
+    out = tmp_path_factory.mktemp("ios") / "f32"
+    assert main(["--target", "ios", "--context", str(CONTEXT), "--float-weights", "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(artifact, prompt):
+    return reference_trace(artifact, prompt, STEPS)
+
+
+# -- the composition alone: bit-exact with the reference op --------------------------------------
+
+
+def replay(case):
+    """A case's chunks through attention_rows + apply_rows, codes held as int32 words."""
+    cache = case.empty_cache()
+    levels = {kind: torch.from_numpy(cache.pop(f"{kind}_levels")) for kind in "kv"}
+    for kind in "kv":
+        cache[f"{kind}_codes"] = cache[f"{kind}_codes"].view(np.int32).copy()
+    cfg, n0, worst = case.config, 0, 0.0
+    for (q, k, v), want in zip(case.chunks, case.outputs):
+        out, *rows = attention_rows(
+            *(torch.from_numpy(x) for x in (q, k, v)), *(torch.from_numpy(cache[name]) for name in CACHE_NAMES),
+            levels["k"], levels["v"], torch.tensor([n0], dtype=torch.int32), cfg.k_bits, cfg.v_bits,
+            cfg.cluster_dim, cfg.sink, cfg.recent, cfg.k_clip, cfg.v_clip, case.scaling)
+        apply_rows(cache, {name: r.numpy() for name, r in zip(ROW_NAMES, rows)}, n0, cfg.sink, cfg.recent)
+        worst, n0 = max(worst, rel_err(out.numpy(), want)), n0 + q.shape[1]
+    for kind in "kv":
+        cache[f"{kind}_codes"] = cache[f"{kind}_codes"].view(np.uint8)
+    return worst, [name for name, want in case.final.items() if not same_bits(cache[name], want)]
+
+
+def test_composition_replays_the_golden_vectors():
+    for name in GOLDEN:
+        worst, differ = replay(golden_case(name))
+        assert worst <= 1e-4 and not differ, f"{name}: relative error {worst:.3g}, {differ} differ"
+
+
+def test_composition_matches_random_reference_sequences():
+    rng = np.random.default_rng(5)
+    for i in range(12):
+        case = random_case(rng, i)
+        worst, differ = replay(case)
+        assert worst <= 1e-4 and not differ, f"{case.name} ({case.config}): {worst:.3g}, {differ} differ"
+
+
+def test_int32_words_unpack_every_bit_pattern():
+    """Words with the sign bit set (negative int32) unpack to the format's codes, and pack back."""
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (64, 48), dtype=np.uint8)
+    raw[0] = 0xFF  # all codes 3 / 7 / 15: every word is -1
+    raw[1, 3::4] = 0x80  # only the sign bit of each word
+    words = torch.from_numpy(raw.view(np.int32).copy())
+    from oscar_export.codec import unpack_codes
+
+    for bits in (2, 3, 4):
+        want = unpack_codes(torch.from_numpy(raw), bits).to(torch.int32)
+        codes = coreml_ops.unpack_words(words, bits)
+        assert torch.equal(codes, want), bits
+        assert torch.equal(coreml_ops.pack_words(codes, bits), words), bits
+
+
+# -- the converted program, executed in numpy ---------------------------------------------------
+
+
+def test_mil_program_matches_the_eager_graph(artifact, prompt, reference):
+    lm = CoreMLLM(load(artifact), "coreml-mil", LAYERS, 64, 256, 512)
+    tokens, logits = lm.trace(prompt, STEPS)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, reference["logits"]))
+    print(f"max |logits - reference| over the prefill and {STEPS - 1} decode steps: {diff:.3g}")
+    assert len(logits) == STEPS and tokens == reference["tokens"]
+    assert diff < 1e-3
+    # The packed body the app holds is bit-exact with the reference cache, byte for byte.
+    for name, array in lm.body_codes().items():
+        assert np.array_equal(array, reference["codes"][name.replace("_", ".", 1)]), name
+
+
+def test_the_program_keeps_packed_words_in_int32(artifact):
+    from coremltools.converters.mil.mil.types import builtin_to_string
+
+    program = saved_program(load(artifact))
+    main_fn = program.functions["main"]
+    for i in range(LAYERS):
+        for kind in "kv":
+            assert builtin_to_string(main_fn.inputs[f"layer{i}_{kind}_codes"].dtype) == "int32"
+    assert coreml.packed_float_ops(program, *coreml.packed_names(LAYERS)) == []
+    # The unpack and pack are there, in int32: floor_div by powers of two on the words.
+    int_divs = [op for op in main_fn.operations if op.op_type == "floor_div"]
+    assert int_divs and all(builtin_to_string(op.outputs[0].dtype) == "int32" for op in int_divs)
+
+
+class Unpack(torch.nn.Module):
+    """The cache's unpack alone: int32 words -> codes, as the program's outputs."""
+
+    def forward(self, words):
+        return coreml_ops.unpack_words(words, 2)
+
+
+def convert_unpack(precision):
+    coreml_ops.register_coreml_ops()
+    program = torch.export.export(Unpack(), (torch.zeros(2, 8, 4, dtype=torch.int32),)).run_decompositions({})
+    return ct.convert(program, convert_to="milinternal", minimum_deployment_target=ct.target.iOS18,
+                      compute_precision=precision)
+
+
+def test_fp16_check_catches_an_unsafe_conversion(monkeypatch):
+    """torch.div(..., rounding_mode='floor') goes through fp32 in coremltools and fp16 after its fp16 pass."""
+    safe = convert_unpack(ct.precision.FLOAT16)  # our integer op survives the fp16 pass
+    assert coreml.packed_float_ops(safe, ["words"], []) == []
+    monkeypatch.setattr(coreml_ops, "_div", lambda x, d: torch.div(x, coreml_ops._i32(d), rounding_mode="floor"))
+    found = coreml.packed_float_ops(convert_unpack(ct.precision.FLOAT16), ["words"], [])
+    print("unsafe conversion, float ops on packed data:", found)
+    assert any(entry.startswith("floor_div") and "fp16" in entry for entry in found), found
+
+
+def test_mil_eval_runs_the_program_with_its_dtypes():
+    """fp16 ops round to fp16 and int32 ops stay int32, as the program declares (not numpy's promotion)."""
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+
+    @mb.program(input_specs=[mb.TensorSpec(shape=(3,), dtype=types.fp16), mb.TensorSpec(shape=(2,), dtype=types.int32)],
+                opset_version=ct.target.iOS18)
+    def prog(x, w):
+        return mb.add(x=x, y=np.float16(1024.0)), mb.floor_div(x=w, y=np.int32(256))
+
+    out = list(MilProgram(prog).run({"x": np.array([0.25, 1, 3], np.float16),
+                                     "w": np.array([-(2**31), 2**31 - 1], np.int32)}).values())
+    assert out[0].dtype == np.float16 and out[0].tolist() == [1024.0, 1025.0, 1027.0]  # 1024.25 rounds in fp16
+    assert out[1].dtype == np.int32 and out[1].tolist() == [-(2**23), 2**23 - 1]
+
+
+# -- weights, cache size ---------------------------------------------------------------------------
+
+
+def test_4bit_weights_shrink_the_package_and_still_match_their_eager_graph(artifact, tmp_path, prompt):
+    float_model = load(artifact)
+    small = coreml.compress_weights(float_model)
+    small.save(str(tmp_path / "int4.mlpackage"))
+
+    def size(path):
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+    float_size, int4_size = size(artifact / coreml.MODEL_FILE), size(tmp_path / "int4.mlpackage")
+    print(f".mlpackage: float32 {float_size / 2**20:.2f} MiB, 4-bit {int4_size / 2**20:.2f} MiB")
+    assert int4_size < 0.25 * float_size
+    # The eager graph with the program's own decompressed weights gives the same logits.
+    model, _ = load_model("bundled")
+    module = OscarCausalLM(model, OscarConfig(), "hadamard").eval()
+    found = weights(saved_program(small))
+    state = module.state_dict()
+    loaded = 0
+    for key in state:
+        name = "p_" + key.replace(".", "_")
+        if name in found:
+            step = np.abs(state[key].numpy()).max() / 7
+            assert np.abs(found[name] - state[key].numpy()).max() <= step, key  # within one 4-bit step
+            state[key], loaded = torch.from_numpy(found[name].astype(np.float32)), loaded + 1
+    assert loaded == LAYERS * 7 + 1  # every projection and the (tied) lm_head
+    module.load_state_dict(state)
+    lm = CoreMLLM(small, "coreml-mil", LAYERS, 64, 256, 512)
+    cache, length = module.new_cache(CONTEXT), torch.zeros(1, dtype=torch.int64)
+    with torch.no_grad():
+        want = module(torch.tensor([prompt[:64]]), length, *cache)[0, -1].numpy()
+    got = lm.prefill(prompt[:64])
+    assert np.abs(got - want).max() < 1e-3
+
+
+def test_cache_bits_per_element_at_32k():
+    """Bytes the app allocates for the model's cache inputs, against the format's formula."""
+    from oscar_export.cache import bits_per_element
+
+    for model, cfg, head_dim in ((tiny_model("llama"), OscarConfig(), 64),
+                                 (tiny_model("llama", head_dim=128), OscarConfig(cluster_dim=128), 128),
+                                 (tiny_model("llama", head_dim=128), OscarConfig(cluster_dim=128, sink=16, recent=64),
+                                  128)):
+        module = OscarCausalLM(model, cfg, "hadamard")
+        layout = coreml.cache_inputs(module, 32768)
+        got = cache_bits_per_element(layout, 2, 2, head_dim, 32768)
+        print(f"head_dim {head_dim}, cluster_dim {cfg.cluster_dim}, sink {cfg.sink} + recent {cfg.recent}: "
+              f"{got:.4f} bits per K/V element at 32K")
+        assert got == pytest.approx(bits_per_element(cfg, head_dim, 32768), rel=1e-12)
+    assert got <= 2.3
+
+
+# -- the command line --------------------------------------------------------------------------------
+
+
+def test_manifest_and_files(artifact):
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["target"] == "ios" and manifest["max_context"] == CONTEXT
+    names = {io["name"]: io for io in manifest["io"]["inputs"]}
+    assert names["layer3_v_codes"] == {"name": "layer3_v_codes", "shape": [2, CONTEXT - 320, 4], "dtype": "int32"}
+    assert names["layer0_k_sink"]["dtype"] == "float16"
+    import hashlib
+
+    for name, meta in manifest["files"].items():
+        assert hashlib.sha256((artifact / name).read_bytes()).hexdigest() == meta["sha256"], name
+    assert any(name.startswith("model.mlpackage/") for name in manifest["files"]) and "tokenizer.json" in manifest[
+        "files"]
+    spec = load(artifact).get_spec()
+    assert [f.name for f in spec.description.input] == [io["name"] for io in manifest["io"]["inputs"]]
+    assert [f.name for f in spec.description.output] == [io["name"] for io in manifest["io"]["outputs"]]
+
+
+def test_run_and_parity_commands(artifact, capsys):
+    assert main(["run", "--artifact", str(artifact), "--prompt", "KING.\nWhat say you", "--max-new-tokens", "8",
+                 "--runtime", "coreml-mil", "--json"]) == 0
+    run = json.loads(capsys.readouterr().out)
+    assert len(run["tokens"]) <= 8 and isinstance(run["text"], str)
+    # A short run: test_mil_program_matches_the_eager_graph makes the long comparison.
+    code = main(["parity", "--artifact", str(artifact), "--prompt-tokens", "340", "--steps", "3", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["ok"] and report["target"] == "ios" and report["prompt_tokens"] == 340
+    row = report["runtimes"]["coreml-mil"]
+    assert row["tokens_match"] and row["codes_mismatched"] == 0 and row["logits_max_abs_error"] < 1e-3
+    assert row["tokens"] == report["runtimes"]["reference"]["tokens"] and len(row["tokens"]) == 3
+    if platform.system() != "Darwin":
+        assert "coreml" in report["unavailable"]
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    (tmp_path / "foreign.txt").write_text("not an artifact")
+    for args, needle in [(["--target", "ios", "--out", str(tmp_path)], "not an oscar-export artifact"),
+                         (["--target", "ios", "--rotations", "online"], "online"),
+                         (["--target", "ios", "--context", "300", "--out", str(tmp_path / "a")], "no packed body"),
+                         (["--target", "ios", "--recent", "0", "--out", str(tmp_path / "b")], "--recent 0"),
+                         (["parity", "--artifact", str(tmp_path)], "manifest.json")]:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
+
+
+def test_unconvertible_operation_names_the_op_and_the_layer():
+    class Lgamma(torch.nn.Module):
+        def forward(self, x):
+            return torch.lgamma(x)
+
+    model = tiny_model("llama")
+    model.model.layers[1].mlp.act_fn = Lgamma()
+    module = OscarCausalLM(model, OscarConfig(sink=4, recent=8), "hadamard").eval()
+    with pytest.raises(OscarInputError) as err:
+        coreml.convert(module, 64, 16, float_weights=True)
+    message = str(err.value)
+    assert "lgamma" in message and "layers.1.mlp" in message and len(message.splitlines()) == 1, message
+
+
+# -- macOS: Core ML itself -----------------------------------------------------------------------------
+
+
+def test_coreml_predict_matches_the_eager_graph(artifact, prompt, reference):
+    ok, why = coreml_available()
+    if not ok:
+        print(f"skipped: {why}", file=sys.stderr)
+        pytest.skip(why)
+    lm = CoreMLLM(load(artifact), "coreml", LAYERS, 64, 256, 512)
+    tokens, logits = lm.trace(prompt, STEPS)
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(logits, reference["logits"]))
+    print(f"Core ML: max |logits - reference| {diff:.3g}")
+    assert tokens == reference["tokens"] and diff < 1e-2
+    for name, array in lm.body_codes().items():
+        mismatched = int((array != reference["codes"][name.replace("_", ".", 1)]).sum())
+        assert mismatched <= 1e-3 * array.size, name
