@@ -29,7 +29,7 @@ def parse_bytes(text: str, name: str = "memory") -> int:
 def weight_bytes(
     shape: ModelShape, weight_bits: int, embedding_bits: int = 16, group: int = DEFAULT_WEIGHT_GROUP
 ) -> dict[str, int]:
-    """Bytes of each part of the weights; linear layers (and an untied lm_head) at weight_bits."""
+    """Bytes of each part of the weights; linear layers and lm_head at weight_bits."""
 
     def _matrix_bytes(params: int, bits: int) -> int:
         return params * 2 if bits >= 16 else params * bits // 8 + -(-params // group) * 4
@@ -39,8 +39,12 @@ def weight_bytes(
     parts = {
         "linear": shape.layers * _matrix_bytes(attn + mlp, weight_bits),
         "embeddings": _matrix_bytes(shape.vocab * shape.hidden, embedding_bits),
-        # A tied lm_head reads the embedding table: counted once, under embeddings.
-        "lm_head": 0 if shape.tied_embeddings else _matrix_bytes(shape.vocab * shape.hidden, weight_bits),
+        # A tied lm_head shares the embedding table only at the same precision; a quantized
+        # matmul cannot read a 16-bit lookup table, so exports store a quantized copy.
+        "lm_head": 0 if shape.tied_embeddings and weight_bits == embedding_bits
+        else _matrix_bytes(shape.vocab * shape.hidden, weight_bits),
+        # The K rotation per layer and KV head, fp32 (the V rotation is folded into the weights).
+        "rotations": 4 * shape.layers * shape.kv_heads * shape.head_dim**2,
         # Norm weights and q/k/v biases stay in fp16.
         "norms_and_biases": 2 * ((2 * shape.layers + 1) * shape.hidden
                                  + (shape.layers * shape.head_dim * (shape.q_heads + 2 * shape.kv_heads)

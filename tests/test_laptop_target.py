@@ -197,6 +197,10 @@ def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, capsys):
     assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == 4 * 7 + 1  # every linear and lm_head
     size = (out / "model.onnx.data").stat().st_size
     assert size < 0.5 * (float_artifact / "model.onnx.data").stat().st_size
+    tables = {t.name: t.data_type for t in model.graph.initializer}
+    gathers = [n for n in model.graph.node if n.op_type == "Gather" and n.input[0] in tables]
+    assert gathers and all(tables[n.input[0]] == TensorProto.FLOAT16 for n in gathers)  # fp16 embeddings
+    assert manifest["plan"]["weights_bytes"] == pytest.approx(size, rel=0.05)  # what the planner promised
 
     results = {}
     for runtime in ("onnxruntime", "onnx-fallback"):  # in-process: a second interpreter start costs ~10 s

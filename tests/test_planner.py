@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -54,7 +55,8 @@ def test_local_checkpoint_and_tied_embeddings(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     shape = model_shape(str(tmp_path))
     assert shape.kv_heads == 8 and shape.head_dim == 128
-    assert weight_bytes(shape, 4)["lm_head"] == 0
+    assert weight_bytes(shape, 16)["lm_head"] == 0  # one fp16 table serves the lookup and the matmul
+    assert weight_bytes(shape, 4)["lm_head"] == weight_bytes(dataclasses.replace(shape, tied_embeddings=False), 4)["lm_head"] > 0
 
 
 @pytest.mark.parametrize(

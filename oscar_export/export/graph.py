@@ -144,12 +144,10 @@ class OscarDecoderLayer(nn.Module):
         self.mlp, self.q_proj, self.k_proj = block.mlp, attn.q_proj, attn.k_proj
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)  # Qwen3
         self.v_proj, self.o_proj = attn.v_proj, attn.o_proj
-        group = attn.q_proj.out_features // attn.k_proj.out_features
+        self.group = group = attn.q_proj.out_features // attn.k_proj.out_features
         self.rotated = k_rot is not None
         if self.rotated:
             self.register_buffer("k_rot", k_rot.clone())
-            # Query heads use the K rotation of their KV head, as OscarKVCache.rotate does.
-            self.register_buffer("q_rot", k_rot.repeat_interleave(group, dim=0))
             self.v_proj = _fold_v(attn.v_proj, v_rot)
             self.o_proj = _fold_o(attn.o_proj, v_rot.repeat_interleave(group, dim=0))
         self.register_buffer("k_levels", k_levels.clone())
@@ -170,7 +168,10 @@ class OscarDecoderLayer(nn.Module):
         k = (k * cos) + (rotate_half(k) * sin)
         q, k, v = q[0], k[0], v[0]
         if self.rotated:
-            q, k = q @ self.q_rot, k @ self.k_rot
+            # Query heads use the K rotation of their KV head (OscarKVCache.rotate); a KV head's
+            # query heads are contiguous, so the rotation broadcasts over them.
+            q = (q.unflatten(0, (-1, self.group)) @ self.k_rot[:, None]).flatten(0, 1)
+            k = k @ self.k_rot
         args = (q, k.half(), v.half(), *cache, self.k_levels, self.v_levels, length, *self.attrs)
         if functional:
             out, *cache = torch.ops.oscar.attention_functional(*args)

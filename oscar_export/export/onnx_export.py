@@ -10,19 +10,23 @@ Runtime without the native library. Each node becomes `oscar.OscarAttentionFunct
 function of standard ops; standard ops cannot write their inputs, so it returns the updated
 buffers as outputs `layer{i}.k_sink.next` ... and the host feeds them back.
 
-Weights are 4-bit by default (ONNX Runtime's MatMulNBits quantizer), float with float_weights.
+Weights are 4-bit by default (ONNX Runtime's MatMulNBits quantizer) with fp16 embedding tables, float
+with float_weights.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxscript
 import torch
+from onnx import TensorProto, helper, numpy_helper
 from onnx.defs import OpSchema
 
 from ..config import OscarInputError
@@ -115,7 +119,29 @@ def _quantize_weights(src: Path, dst: Path) -> None:
         quantizer.process()
     finally:
         log.setLevel(level)
+    _half_embeddings(quantizer.model.model)
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
+
+
+def _half_embeddings(model: onnx.ModelProto) -> None:
+    """Embedding tables (Gather from a float initializer) stored as fp16 and cast back after the lookup,
+    as the planner counts them: half the bytes of the largest tensor MatMulNBits leaves in fp32."""
+    graph = model.graph
+    uses = Counter(name for node in graph.node for name in node.input)
+    tables = {t.name: t for t in graph.initializer
+              if t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and uses[t.name] == 1}
+    nodes = []
+    for node in graph.node:
+        nodes.append(node)
+        if node.op_type != "Gather" or node.input[0] not in tables:
+            continue
+        table = tables.pop(node.input[0])
+        table.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(table).astype(np.float16), table.name))
+        out = node.output[0]
+        node.output[0] = f"{out}.fp16"
+        nodes.append(helper.make_node("Cast", [node.output[0]], [out], to=TensorProto.FLOAT, name=f"{node.name}.cast"))
+    del graph.node[:]
+    graph.node.extend(nodes)
 
 
 # -- the pure-ONNX fallback -------------------------------------------------------------------
