@@ -38,7 +38,7 @@ from .ort_runner import OrtLM
 WARMUP = 4  # untimed steps per variant before the timed ones
 BLOCK = 8  # steps each variant runs in turn
 FP32_FILE, SHARED_FILE = "fp32_decoder.onnx", "fp32_shared_decoder.onnx"
-WEIGHTS = "float32 in both variants"
+WEIGHTS = "float32 in every variant"
 
 
 def min_context(config: OscarConfig, steps: int) -> int:
