@@ -101,3 +101,27 @@ def _bench_decode(args: argparse.Namespace, contexts: list[int], config) -> int:
               f"{r['speedup']:>7.2f}x  {r['fp32_shared_tokens_per_s']:>11.1f}  {r['speedup_shared']:>7.2f}x  "
               f"{r['oscar_cache_bytes'] / 2**20:>7.2f} MiB  {r['fp32_cache_bytes'] / 2**20:>6.2f} MiB")
     return 0
+
+
+# -- parity hooks (parity.run_artifact_parity) -------------------------------------------------
+
+
+def parity_runtimes() -> dict[str, str]:
+    return {"onnxruntime": "ONNX Runtime with the native op library",
+            "onnx-fallback": "stock ONNX Runtime, pure-ONNX function of the op"}
+
+
+def unavailable_runtimes() -> dict[str, str]:
+    return {}
+
+
+def trace(directory, runtime: str, ids: list[int], steps: int) -> dict:
+    from .export.laptop import trace
+
+    return trace(directory, runtime, ids, steps)
+
+
+def reference_trace(directory, ids: list[int], steps: int) -> dict:
+    from .export.laptop import reference_trace
+
+    return reference_trace(directory, ids, steps)

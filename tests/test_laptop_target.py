@@ -212,6 +212,14 @@ def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, capsys):
     assert "slower" in captured.err  # the fallback says so at load
     assert results["onnxruntime"] == results["onnx-fallback"]
 
+    # parity against the eager graph holding the artifact's own (dequantized 4-bit) weights
+    assert main(["parity", "--artifact", str(out), "--prompt-tokens", str(PROMPT), "--steps", "16", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["runtimes"]) == {"reference", "onnxruntime", "onnx-fallback"}
+    for name in ("onnxruntime", "onnx-fallback"):
+        row = report["runtimes"][name]
+        assert row["tokens_match"] and row["codes_mismatched"] == 0 and row["logits_max_rel_error"] < 1e-3, name
+
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "foreign.txt").write_text("not an artifact")

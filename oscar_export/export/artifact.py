@@ -124,3 +124,28 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     if not ids:
         raise OscarInputError("--prompt is empty after tokenization: expected some text")
     return ids
+
+
+def eager_trace(module, ids: list[int], steps: int, max_context: int, max_chunk: int, eos=()) -> dict:
+    """Greedy run of the eager graph (graph.OscarCausalLM, in-place cache): the reference of parity.
+
+    Returns the greedy `tokens`, the logits of each step (the prefill's last position, then each
+    decode step's) and the packed body `codes` by cache name.
+    """
+    cache = module.new_cache(max_context)
+    length, tokens, logits = torch.zeros(1, dtype=torch.int64), [], []
+    with torch.no_grad():
+        for start in range(0, len(ids), max_chunk):
+            chunk = ids[start:start + max_chunk]
+            step = module(torch.tensor([chunk]), length, *cache)
+            length += len(chunk)
+        for _ in range(steps):
+            logits.append(step[0, -1].numpy().copy())
+            tokens.append(int(step[0, -1].argmax()))
+            if tokens[-1] in eos or len(tokens) == steps:
+                break
+            step = module(torch.tensor([[tokens[-1]]]), length, *cache)
+            length += 1
+    names = [name for name, _, _ in module.cache_spec(max_context)]
+    return {"tokens": tokens, "logits": logits,
+            "codes": {name: t.numpy() for name, t in zip(names, cache) if name.endswith("_codes")}}

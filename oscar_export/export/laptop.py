@@ -11,9 +11,15 @@ import importlib.metadata
 import shutil
 from pathlib import Path
 
+import numpy as np
+import onnx
+import torch
+from onnx import numpy_helper
+
 from ..config import OscarInputError
-from .artifact import (ROTATION_FILE, check_out, config_for, eos_ids, file_table, load_manifest, manifest_format,
-                       prompt_ids, reference_tokens, staged, write_manifest)
+from .artifact import (ROTATION_FILE, check_out, config_for, eager_trace, eos_ids, file_table, load_manifest,
+                       manifest_format, prompt_ids, reference_tokens, staged, write_manifest)
+from .onnx_export import MODEL_FILE
 from .ort_runner import LIBRARY_FILE, RUNTIMES, OrtLM
 
 MAX_CHUNK = 512  # prefill chunk: longer prompts run in several chunks
@@ -91,3 +97,78 @@ def run_artifact(directory, prompt: str, max_new_tokens: int, runtime: str = "on
         lm = OrtLM(directory, runtime, threads, manifest["max_chunk"])
         tokens = lm.generate(ids, max_new_tokens, manifest["eos_token_ids"])
     return {"tokens": tokens, "text": tokenizer.decode(tokens)}
+
+
+# -- parity (oscar-export parity --artifact): traces of the artifact and of the eager graph ----------
+
+
+def trace(directory, runtime: str, ids: list[int], steps: int) -> dict:
+    """Greedy run of the artifact in ONNX Runtime: tokens, each step's logits, the packed body codes."""
+    manifest = load_manifest(directory, "laptop")
+    lm = OrtLM(directory, runtime, threads=0, max_chunk=manifest["max_chunk"])
+    step, tokens, logits = lm.prefill(ids), [], []
+    while len(tokens) < steps:
+        logits.append(step.copy())
+        tokens.append(int(np.argmax(step)))
+        if tokens[-1] in manifest["eos_token_ids"] or len(tokens) == steps:
+            break
+        step = lm.step([tokens[-1]])
+    codes = {name: array.copy() for name, array in lm.cache_arrays().items() if name.endswith("_codes")}
+    return {"tokens": tokens, "logits": logits, "codes": codes}
+
+
+def _matmul_nbits_weights(model_path: Path) -> list[torch.Tensor]:
+    """Each MatMulNBits node's weight [N, K], dequantized as ONNX Runtime does, in graph order."""
+    model = onnx.load(model_path)
+    init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    weights = []
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attr = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        n, k, block = attr["N"], attr["K"], attr["block_size"]
+        packed = init[node.input[1]].reshape(n, -1)  # [N, blocks * block / 2]: low nibble first
+        q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, -1, block).astype(np.float32)
+        scale = init[node.input[2]].reshape(n, -1, 1)
+        zp = init[node.input[3]].reshape(n, -1) if len(node.input) > 3 and node.input[3] else None
+        zero = (np.stack([zp & 15, zp >> 4], axis=-1).reshape(n, -1)[:, :q.shape[1], None].astype(np.float32)
+                if zp is not None else 8.0)
+        weights.append(torch.from_numpy(((q - zero) * scale).reshape(n, -1)[:, :k].copy()))
+    return weights
+
+
+def artifact_module(directory, manifest: dict):
+    """The eager graph with the weights as the artifact stores them (4-bit ones dequantized, fp16 embeddings)."""
+    from ..hf_cache import _resolve_rotations
+    from ..models import load_model
+    from .graph import OscarCausalLM
+
+    directory = Path(directory)
+    model, _ = load_model(manifest["model"]["source"])
+    rotations = manifest["rotations"]
+    resolved = _resolve_rotations(str(directory / rotations) if rotations == ROTATION_FILE else rotations, model)
+    module = OscarCausalLM(model, config_for(resolved, **manifest["config"]), resolved).eval()
+    if manifest["weights"] == "float32":
+        return module
+    linears = []  # in call order, which is the exporter's node order
+    hooks = [m.register_forward_hook(lambda m, *_: linears.append(m)) for m in module.modules()
+             if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        module(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), *module.new_cache(1))
+    for hook in hooks:
+        hook.remove()
+    weights = _matmul_nbits_weights(directory / MODEL_FILE)
+    if len(weights) != len(linears):
+        raise OscarInputError(f"artifact {str(directory)!r} has {len(weights)} 4-bit matmuls for {len(linears)} "
+                              "linear layers: expected one per layer")
+    for linear, weight in zip(linears, weights):
+        linear.weight = torch.nn.Parameter(weight)  # a new parameter: unties a tied lm_head from the embeddings
+    embed = module.embed_tokens
+    embed.weight = torch.nn.Parameter(embed.weight.detach().half().float())
+    return module
+
+
+def reference_trace(directory, ids: list[int], steps: int) -> dict:
+    manifest = load_manifest(directory, "laptop")
+    module = artifact_module(directory, manifest)
+    return eager_trace(module, ids, steps, manifest["max_context"], manifest["max_chunk"], manifest["eos_token_ids"])
