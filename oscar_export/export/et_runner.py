@@ -1,0 +1,170 @@
+"""Run an exported android model on this machine with ExecuTorch.
+
+runtime="executorch": the .pte through the pybindings (executorch.extension.pybindings), one
+forward call per prefill chunk or decode step; the packed cache stays in the program's mutable
+buffers between calls. runtime="stock-runner": the same .pte through ExecuTorch's C++ LLM runner
+(TextLLMRunner, what Android apps use), which reads the program's metadata methods and the
+tokenizer.json itself. Both need the oscar::attention kernel: liboscar_executorch.so is loaded
+into the process (RTLD_GLOBAL) first, registering it in the ExecuTorch runtime they share.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import OscarInputError
+from .android import LIBRARY_FILE, MODEL_FILE
+from .graph import CACHE_NAMES
+
+RUNTIMES = ("executorch", "stock-runner")
+TOKENIZER_FILE = "tokenizer.json"
+OP = "oscar::attention.out"
+_loaded: dict[str, ctypes.CDLL] = {}  # one kernel library per process: a second would register the op twice
+
+
+def load_kernels(library=None) -> ctypes.CDLL:
+    """Load liboscar_executorch.so (default: the one this checkout builds) into the ExecuTorch runtime, once."""
+    from executorch.extension.pybindings import portable_lib  # loads libexecutorch.so, whose registry we join
+
+    if "kernels" in _loaded:
+        return _loaded["kernels"]
+    if library is None:
+        from ..native import executorch_library_path
+
+        library = executorch_library_path()
+    lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
+    lib.oscar_executorch_last_error.restype = ctypes.c_char_p
+    if OP not in portable_lib._get_operator_names():
+        raise RuntimeError(f"{library} loaded but {OP} is not registered: expected a library built against "
+                           "this executorch wheel's libexecutorch.so")
+    _loaded["kernels"] = lib
+    return lib
+
+
+def kernel_error() -> str:
+    """The message of the last failed oscar::attention call on this thread ('' if none or not loaded)."""
+    lib = _loaded.get("kernels")
+    return lib.oscar_executorch_last_error().decode() if lib is not None else ""
+
+
+def load_method(path, method: str = "forward"):
+    """The program's method through the pybindings; a clear error when the OSCAR kernel is missing."""
+    from executorch.extension.pybindings import portable_lib
+
+    path = Path(path)
+    if not path.is_file():
+        raise OscarInputError(f"{path}: no such file: expected an android artifact's {MODEL_FILE}")
+    if OP not in portable_lib._get_operator_names():
+        raise OscarInputError(f"{path.name} calls {OP}, which this ExecuTorch runtime does not have: load "
+                              f"{LIBRARY_FILE} first (ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL), or "
+                              "oscar_export.export.et_runner.load_kernels())")
+    program = portable_lib._load_program(str(path))
+    return program.load_method(method)
+
+
+class EtLM:
+    """One sequence through an exported .pte; `length` tokens are cached in its mutable buffers."""
+
+    def __init__(self, directory, threads: int = 0, max_chunk: int = 256, library=None):
+        from executorch.extension.pybindings import portable_lib
+
+        directory = Path(directory)
+        if library is None and (directory / LIBRARY_FILE).is_file():
+            library = directory / LIBRARY_FILE
+        load_kernels(library)
+        if threads:
+            portable_lib._unsafe_reset_threadpool(threads)
+        self.method = load_method(directory / MODEL_FILE)
+        self.max_context = int(load_method(directory / MODEL_FILE, "get_max_context_len")([])[0])
+        layers = self.method.method_meta().num_attributes() // len(CACHE_NAMES)
+        self.cache_names = [f"cache.{i}.{name}" for i in range(layers) for name in CACHE_NAMES]
+        self.max_chunk, self.length = max_chunk, 0
+
+    def step(self, ids) -> np.ndarray:
+        """Run one chunk of token ids (at most max_chunk); returns the last position's logits [vocab]."""
+        ids = torch.tensor(np.asarray(ids, dtype=np.int64).reshape(1, -1))
+        if self.length + ids.shape[1] > self.max_context:
+            raise OscarInputError(f"cache capacity exceeded: {self.length} + {ids.shape[1]} tokens > "
+                                  f"max_context={self.max_context}: expected a shorter prompt or a larger --context")
+        try:
+            (logits,) = self.method([ids, torch.tensor([self.length], dtype=torch.int64)])
+        except RuntimeError as err:
+            raise RuntimeError(f"oscar::attention: {kernel_error()}" if kernel_error() else str(err)) from None
+        self.length += ids.shape[1]
+        return logits.numpy()[0, -1]
+
+    def prefill(self, ids) -> np.ndarray:
+        ids = list(ids)
+        if not ids:
+            raise OscarInputError("prompt is empty: expected at least one token")
+        for start in range(0, len(ids), self.max_chunk):
+            logits = self.step(ids[start:start + self.max_chunk])
+        return logits
+
+    def generate(self, ids, max_new_tokens: int, eos_token_ids=()) -> list[int]:
+        """Greedy tokens after the prompt, stopping after an EOS token or max_new_tokens."""
+        logits, tokens = self.prefill(ids), []
+        while len(tokens) < max_new_tokens:
+            tokens.append(int(np.argmax(logits)))
+            if tokens[-1] in eos_token_ids or len(tokens) == max_new_tokens:
+                break
+            logits = self.step([tokens[-1]])
+        return tokens
+
+    def cache_arrays(self) -> dict[str, np.ndarray]:
+        """The cache as it is now, by buffer name (cache.{layer}.k_codes ...)."""
+        return {name: self.method.get_attribute(name).numpy().copy() for name in self.cache_names}
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """The C++ runner prints each piece to stdout: keep it off this process's stdout (JSON goes there)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def piece_ids(tokenizer, pieces: list[str]) -> list[int | None]:
+    """Token ids of the runner's text pieces (one piece per generated token); None where a piece is the
+    decoding of more than one id, so the id cannot be recovered from the text."""
+    by_text: dict[str, list[int]] = {}
+    for i in range(len(tokenizer)):
+        by_text.setdefault(tokenizer.decode([i]), []).append(i)
+    return [ids[0] if len(ids := by_text.get(p, [])) == 1 else None for p in pieces]
+
+
+def stock_runner_generate(directory, prompt: str, max_new_tokens: int, threads: int = 0) -> dict:
+    """Greedy generation by ExecuTorch's TextLLMRunner, which tokenizes the prompt itself:
+    {"tokens": [...] (ids recovered from the pieces), "text": "..."}."""
+    from executorch.extension.pybindings import portable_lib
+    from transformers import AutoTokenizer
+
+    directory = Path(directory)
+    library = directory / LIBRARY_FILE
+    load_kernels(library if library.is_file() else None)
+    if threads:
+        portable_lib._unsafe_reset_threadpool(threads)
+    from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
+
+    for name in (MODEL_FILE, TOKENIZER_FILE):
+        if not (directory / name).is_file():
+            raise OscarInputError(f"artifact {str(directory)!r} has no {name}: expected an android export directory")
+    runner = TextLLMRunner(str(directory / MODEL_FILE), str(directory / TOKENIZER_FILE))
+    pieces: list[str] = []
+    config = GenerationConfig(echo=False, max_new_tokens=max_new_tokens, temperature=0.0)
+    with _stdout_to_stderr():
+        runner.generate(prompt, config, token_callback=pieces.append)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return {"tokens": piece_ids(tokenizer, pieces), "text": "".join(pieces)}
