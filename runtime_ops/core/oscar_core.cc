@@ -216,7 +216,7 @@ struct Layer {
 
   // The fp32 value at position p of KV head h as this chunk's attention sees it: the cache
   // before the chunk (sink, ring fp16; body dequantized) or the chunk's own fp16 row.
-  void load_row(const Kind& k, int64_t h, int64_t p, float* dst, const BodyKernels& kernels = kScalarKernels) const {
+  void load_row(const Kind& k, int64_t h, int64_t p, float* dst, const BodyKernels& kernels) const {
     const uint16_t* src;
     if (p >= n0) {
       src = k.chunk + (h * T + p - n0) * D;
@@ -240,7 +240,7 @@ struct Layer {
 
   // Dense path for any T: fp32 blocks of K/V rows, causal mask. Queries go in tiles of kBlock
   // tokens so the scratch stays small however long the prefill chunk is.
-  void attend_dense(int64_t h, float* scratch) const {
+  void attend_dense(int64_t h, const BodyKernels& kernels, float* scratch) const {
     const int64_t states = kBlock * group;
     float* m = scratch;
     float* l = m + states;
@@ -256,17 +256,17 @@ struct Layer {
       for (int64_t b0 = 0; b0 < n0 + t1; b0 += kBlock) {
         const int n = int(std::min<int64_t>(kBlock, n0 + t1 - b0));
         for (int j = 0; j < n; ++j) {
-          load_row(kind[0], h, b0 + j, kb + j * D);
-          load_row(kind[1], h, b0 + j, vb + j * D);
+          load_row(kind[0], h, b0 + j, kb + j * D, kernels);
+          load_row(kind[1], h, b0 + j, vb + j * D, kernels);
         }
         for (int64_t t = t0; t < t1; ++t) {
           const int visible = int(std::min<int64_t>(n, n0 + t + 1 - b0));  // keys at positions <= n0 + t
           for (int64_t hh = 0; hh < group && visible > 0; ++hh) {
             const int64_t st = hh * kBlock + t - t0;
             const float* q = a.q + ((h * group + hh) * T + t) * D;
-            for (int j = 0; j < visible; ++j) s[j] = dot(q, kb + j * D, D);
-            softmax_block(kScalarKernels, a.config.scaling, s, visible, m[st], l[st], acc + st * D, D);
-            for (int j = 0; j < visible; ++j) axpy(acc + st * D, s[j], vb + j * D, D);
+            for (int j = 0; j < visible; ++j) s[j] = kernels.dot(q, kb + j * D, D);
+            softmax_block(kernels, a.config.scaling, s, visible, m[st], l[st], acc + st * D, D);
+            for (int j = 0; j < visible; ++j) kernels.axpy(acc + st * D, s[j], vb + j * D, D);
           }
         }
       }
@@ -532,9 +532,10 @@ Status oscar_attention(const AttentionArgs& a) {
   if (Status st = check_finite_f16("v_new", a.v_new, shapes[2].count()); !st.ok()) return st;
 
   const Layer layer(a);
-  const BodyKernels* kernels = nullptr;
-  if (layer.fused())
-    kernels = a.config.kernel == Kernel::kScalar || !simd_available() ? &kScalarKernels : &simd_kernels();
+  // kernel=dense keeps the whole step scalar: the in-tree reference.
+  const Kernel kind = a.config.kernel;
+  const BodyKernels& kernels =
+      kind == Kernel::kDense || kind == Kernel::kScalar || !simd_available() ? kScalarKernels : simd_kernels();
   int64_t threads = a.config.threads;
   if (threads == 0) {  // one per core, but a thread start (tens of microseconds) must pay for itself
     const int64_t work = d.kv_heads * (a.length + d.tokens) * d.tokens;  // key rows x queries
@@ -551,10 +552,10 @@ Status oscar_attention(const AttentionArgs& a) {
   auto work = [&](int64_t t) {
     float* mem = scratch[t].data();
     for (int64_t h = t; h < d.kv_heads; h += threads) {
-      if (kernels) {
-        layer.attend_fused(h, *kernels, mem);
+      if (layer.fused()) {
+        layer.attend_fused(h, kernels, mem);
       } else {
-        layer.attend_dense(h, mem);
+        layer.attend_dense(h, kernels, mem);
       }
       layer.append(h, mem + layer.scratch_floats());
     }

@@ -25,7 +25,8 @@ float f16_to_f32(uint16_t h);
 Status quantize_pack(const float* x, int64_t rows, int64_t head_dim, int bits, int cluster_dim, float clip,
                      const float* levels, uint8_t* codes, uint16_t* scale, uint16_t* zero);
 
-// Which decode (T == 1) path runs. Prefill chunks (T > 1) always take the dense path.
+// Which path runs. Decode steps (T == 1) take the fused kernels unless kDense; prefill chunks
+// (T > 1) always take the dense path, with the SIMD dot/axpy/exp unless kDense or kScalar.
 enum class Kernel : int32_t {
   kAuto = 0,    // the fastest fused kernel this CPU has
   kDense = 1,   // dequantize rows into fp32 blocks: the simple path, used as the in-tree reference
