@@ -25,7 +25,7 @@ def _export_parser() -> argparse.ArgumentParser:
                    help="max tokens of the cache (default: the model's max_position_embeddings, at most 4096)")
     p.add_argument("--out", type=Path, default=Path("oscar-ios"), help="artifact directory (default %(default)s)")
     p.add_argument("--float-weights", action="store_true",
-                   help="keep float weights (default: 4-bit, coremltools.optimize linear quantization)")
+                   help="keep fp16 weights (default: 4-bit, coremltools.optimize linear quantization)")
     p.add_argument("--device-memory", default="8GB", help="memory for the manifest's plan (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the manifest")
     add_cache_flags(p)

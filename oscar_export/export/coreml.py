@@ -10,7 +10,8 @@ fp16, static shapes); outputs `logits` fp32 [1, 1, vocab] and per layer the rows
 
 The whole program computes in fp32: coremltools' fp16 pass would also reach the quantizer, whose
 codes must be bit-exact (format.md section 3), and every op on packed words is integer
-(`packed_float_ops` checks the converted program).
+(`packed_float_ops` checks the converted program). Weights are stored in fp16 (float_weights) or
+4-bit, and expanded to fp32 where they are read.
 """
 
 from __future__ import annotations
@@ -120,11 +121,34 @@ def convert(module: OscarCausalLM, max_context: int, max_chunk: int, float_weigh
         var = main._input_dict.pop(old)
         var.name = renamed.get(old, old)
         main._input_dict[var.name] = var
+    _store_weights_fp16(main)
     model = ct.convert(mil, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
                        compute_precision=precision, pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True)
     if not float_weights:
         model = compress_weights(model)
     return model
+
+
+def _store_weights_fp16(main) -> None:
+    """Weight matrices stored in fp16 and cast to fp32 where they are read: half the bytes, fp32 compute.
+
+    Only the model's parameters (`p_*` constants of rank 2: projections, embeddings); rotations,
+    levels and RoPE frequencies stay fp32.
+    """
+    from coremltools.converters.mil import Builder as mb
+    from coremltools.converters.mil.mil import types
+    from coremltools.converters.mil.mil.scope import ScopeInfo
+
+    for op in list(main.operations):
+        var = op.outputs[0]
+        if op.op_type != "const" or not var.name.startswith("p_") or var.dtype != types.fp32 or var.rank != 2:
+            continue
+        # The new ops keep the constant's scopes (its torch source), which the serializer requires.
+        with main, mb.scope(*(ScopeInfo(source=source, data=data) for source, data in op.scopes.items())):
+            half = mb.const(val=var.val.astype(np.float16), name=f"{var.name}_fp16", before_op=op)
+            full = mb.cast(x=half, dtype="fp32", name=f"{var.name}_fp32", before_op=op)
+        main.replace_uses_of_var_after_op(anchor_op=full.op, old_var=var, new_var=full)
+        main.remove_ops([op])
 
 
 def compress_weights(model):

@@ -102,7 +102,7 @@ def export_ios(model_name: str, out, rotations: str = "hadamard", max_context: i
             "max_context": max_context,
             "max_chunk": max_chunk,
             "compute_precision": "float32",
-            "weights": "float32" if float_weights else f"int4 (linear_symmetric, block {WEIGHT_BLOCK})",
+            "weights": "float16" if float_weights else f"int4 (linear_symmetric, block {WEIGHT_BLOCK})",
             "eos_token_ids": eos_ids(model),
             "io": io_layout(module, max_context, max_chunk),
             "cache": {
@@ -176,7 +176,7 @@ def trace(directory, runtime: str, ids: list[int], steps: int) -> dict:
 
 def reference_trace(directory, ids: list[int], steps: int, eos=()) -> dict:
     """The same run through the eager OscarCausalLM (graph.py, in-place cache) with the artifact's config,
-    rotations and weights (its 4-bit weights dequantized, when it has them)."""
+    rotations and weights as the artifact stores them (fp16, or 4-bit dequantized)."""
     import torch
 
     from ..hf_cache import _resolve_rotations
@@ -191,14 +191,13 @@ def reference_trace(directory, ids: list[int], steps: int, eos=()) -> dict:
     resolved = _resolve_rotations(str(directory / rotations) if rotations == ROTATION_FILE else rotations, model)
     fields = dict(manifest["config"])
     module = build_module(model, config_for(resolved, **fields), resolved)
-    if not manifest["weights"].startswith("float"):
-        state = module.state_dict()
-        found = weights(saved_program(load(directory)))
-        for key in state:
-            name = "p_" + key.replace(".", "_")
-            if name in found:
-                state[key] = torch.from_numpy(found[name].astype(np.float32))
-        module.load_state_dict(state)
+    state = module.state_dict()
+    found = weights(saved_program(load(directory)))
+    for key in state:
+        name = "p_" + key.replace(".", "_")
+        if name in found:
+            state[key] = torch.from_numpy(found[name].astype(np.float32))
+    module.load_state_dict(state)
     cache = module.new_cache(manifest["max_context"])
     length, tokens, logits = torch.zeros(1, dtype=torch.int64), [], []
     with torch.no_grad():

@@ -154,17 +154,27 @@ def saved_program(model):
 
 
 def weights(mil_program, function: str = "main") -> dict[str, np.ndarray]:
-    """Decompressed weights of the program's compressed constants, by source name (the suffix coremltools
-    adds when it compresses a weight, `_quantized` or `_palettized`, removed)."""
+    """The model's parameters as the program stores them (fp16, or decompressed from 4 bits), by source name:
+    `p_<parameter path with _>` without the suffixes the conversion adds (`_fp16`, `_quantized`, ...)."""
     values = {}
     for op in mil_program.functions[function].operations:
-        if op.op_type.startswith("constexpr_") and op.op_type in OPS:
-            kwargs = {key: var.val for key, var in op.inputs.items()}
-            name = op.outputs[0].name
-            for suffix in ("_quantized", "_palettized"):
-                name = name.removesuffix(suffix)
-            values[name] = np.asarray(OPS[op.op_type](**kwargs), dtype=_dtype(op.outputs[0]))
+        out = op.outputs[0]
+        if not out.name.startswith("p_") or not (op.op_type == "const" or op.op_type.startswith("constexpr_")):
+            continue
+        if _dtype(out) is None or (out.child_ops and all(c.op_type.startswith("constexpr_") for c in out.child_ops)):
+            continue  # attributes, and the stored parts of a compressed weight
+        if op.op_type == "const":
+            value = out.val
+        else:
+            value = OPS[op.op_type](**{key: var.val for key, var in op.inputs.items()})
+        name = out.name
+        while name.endswith(_SUFFIXES):
+            name = name.rsplit("_", 1)[0]
+        values[name] = np.asarray(value, dtype=_dtype(out))
     return values
+
+
+_SUFFIXES = ("_fp16", "_quantized", "_palettized")
 
 
 class MilProgram:
