@@ -189,7 +189,10 @@ def test_4bit_weights_shrink_the_package_and_still_match_their_eager_graph(artif
     # The eager graph with the program's own decompressed weights gives the same logits.
     model, _ = load_model("bundled")
     module = OscarCausalLM(model, OscarConfig(), "hadamard").eval()
-    found = weights(saved_program(small))
+    program = saved_program(small)
+    compressed = [op for op in program.functions["main"].operations if op.op_type == "constexpr_blockwise_shift_scale"]
+    assert len(compressed) == LAYERS * 7 + 1  # every projection and the (tied) lm_head
+    found = weights(program)
     state = module.state_dict()
     loaded = 0
     for key in state:
@@ -197,8 +200,9 @@ def test_4bit_weights_shrink_the_package_and_still_match_their_eager_graph(artif
         if name in found:
             step = np.abs(state[key].numpy()).max() / 7
             assert np.abs(found[name] - state[key].numpy()).max() <= step, key  # within one 4-bit step
-            state[key], loaded = torch.from_numpy(found[name].astype(np.float32)), loaded + 1
-    assert loaded == LAYERS * 7 + 1  # every projection and the (tied) lm_head
+            loaded += state[key].dim() == 2
+            state[key] = torch.from_numpy(found[name].astype(np.float32))
+    assert loaded == LAYERS * 7 + 1
     module.load_state_dict(state)
     lm = CoreMLLM(small, "coreml-mil", LAYERS, 64, 256, 512)
     cache, length = module.new_cache(CONTEXT), torch.zeros(1, dtype=torch.int64)

@@ -152,12 +152,21 @@ def _store_weights_fp16(main) -> None:
 
 
 def compress_weights(model):
-    """4-bit weights: linear quantization per block of WEIGHT_BLOCK input channels (iOS 18 blockwise ops)."""
+    """4-bit weights: linear quantization per block of WEIGHT_BLOCK input channels (iOS 18 blockwise ops).
+
+    Only the model's parameters (`p_*` constants); rotations and other buffers keep their precision,
+    since a quantized rotation is no longer orthogonal.
+    """
     import coremltools.optimize.coreml as cto
 
+    from .mil_eval import saved_program
+
+    program = model._mil_program or saved_program(model)
+    keep = {op.name: None for op in program.functions["main"].operations
+            if op.op_type == "const" and not op.name.startswith("p_")}
     op = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4", granularity="per_block",
                                      block_size=WEIGHT_BLOCK, weight_threshold=2048)
-    return cto.linear_quantize_weights(model, cto.OptimizationConfig(global_config=op))
+    return cto.linear_quantize_weights(model, cto.OptimizationConfig(global_config=op, op_name_configs=keep))
 
 
 # -- the fp16 check ---------------------------------------------------------------------------------
