@@ -15,6 +15,7 @@ import numpy as np
 
 from ..config import OscarInputError
 from .coreml_ops import ROW_NAMES, apply_rows
+from .graph import CACHE_NAMES
 
 RUNTIMES = ("coreml-mil", "coreml")
 
@@ -44,7 +45,7 @@ class CoreMLLM:
             from .mil_eval import MilProgram, saved_program
 
             self._program = MilProgram(saved_program(model))
-            layout = {name: spec for name, spec in self._program.inputs.items()}
+            layout = dict(self._program.inputs)
             self._predict = self._program.run
         else:
             ok, why = coreml_available()
@@ -71,9 +72,7 @@ class CoreMLLM:
                                   f"max_context={self.max_context}: expected a shorter prompt or a larger --context")
         out = self._predict({"input_ids": ids, "length": np.array([self.length], np.int32), **self.cache})
         for i in range(self.layers):
-            layer = {name: self.cache[f"layer{i}_{name}"] for name in
-                     ("k_sink", "v_sink", "k_recent", "v_recent", "k_codes", "k_scale", "k_zero", "v_codes",
-                      "v_scale", "v_zero")}
+            layer = {name: self.cache[f"layer{i}_{name}"] for name in CACHE_NAMES}
             apply_rows(layer, {name: out[f"layer{i}_{name}"] for name in ROW_NAMES}, self.length, self.sink,
                        self.recent)
         self.length += ids.shape[1]
@@ -112,7 +111,7 @@ class CoreMLLM:
                 if name.endswith("_codes")}
 
 
-def load(directory) -> "object":
+def load(directory):
     """The artifact's MLModel, without compiling it (compiling needs macOS)."""
     import coremltools as ct
 
