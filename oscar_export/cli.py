@@ -153,7 +153,7 @@ def _installed(dist: str) -> str | None:
 
 def cmd_info(args: argparse.Namespace) -> int:
     from .models import BUNDLED_MODEL_DIR
-    from .native import ORT_LIBRARY, ROOT
+    from .native import EXECUTORCH_LIBRARY, ORT_LIBRARY, ROOT
 
     native_build = ROOT / "build" / "native"
 
@@ -166,8 +166,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         "bundled_model_present": (BUNDLED_MODEL_DIR / "model.safetensors").is_file(),
         "runtimes": runtimes,
         "versions": versions,
-        # Built by the set-up (or on first use); ExecuTorch kernels arrive with the android target.
-        "native_op_libraries": {"onnxruntime": (native_build / ORT_LIBRARY).is_file(), "executorch": False},
+        # Built by the set-up (or on first use).
+        "native_op_libraries": {"onnxruntime": (native_build / ORT_LIBRARY).is_file(),
+                                "executorch": (native_build / EXECUTORCH_LIBRARY).is_file()},
         "targets": {target: available(target) for target in TARGETS},
         # What `run --runtime` offers for a laptop artifact, and what each costs.
         "laptop_runtimes": {"onnxruntime": "native OscarAttention op library (fused 2-bit decode kernels)",

@@ -51,7 +51,12 @@ def _module(target: str):
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    return _module(bench_runtimes()[args.runtime]).bench(args)
+    target = bench_runtimes()[args.runtime]
+    kinds = recipe(target)["bench"]
+    if args.what not in kinds:
+        raise OscarInputError(f"bench {args.what} --runtime {args.runtime}: not available for the {target} target: "
+                              f"expected one of {kinds}")
+    return _module(target).bench(args)
 
 
 def add_target_commands(sub) -> None:
@@ -78,7 +83,7 @@ def add_target_commands(sub) -> None:
     p.add_argument("what", choices=("attention", "decode"))
     p.add_argument("--steps", type=positive_int, default=64,
                    help="decode: timed greedy steps per context (default %(default)s)")
-    p.add_argument("--runtime", choices=tuple(runtimes), default=next(r for r, t in runtimes.items() if available(t)),
+    p.add_argument("--runtime", choices=tuple(runtimes), default=next(r for t in ("laptop", *TARGETS) for r, rt in runtimes.items() if rt == t and available(t)),
                    help="runtime whose kernels and baselines are timed (default %(default)s)")
     p.add_argument("--context", default="4096,32768", help="comma-separated contexts (default %(default)s)")
     p.add_argument("--model", default="bundled", help="model whose attention shape is used: 'bundled', a preset "

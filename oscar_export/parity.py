@@ -162,7 +162,7 @@ def run_artifact_parity(directory, ids: list[int], steps: int) -> dict:
     module = cli_module(manifest["target"])
     if module is None or not hasattr(module, "trace"):
         raise OscarInputError(f"--artifact {str(directory)!r}: parity is not available for the "
-                              f"{manifest['target']} target yet: expected an ios artifact")
+                              f"{manifest['target']} target yet: expected a laptop or ios artifact")
     reference = module.reference_trace(directory, ids, steps)
     report = {
         "artifact": str(directory),
