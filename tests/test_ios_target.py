@@ -127,9 +127,13 @@ def test_the_program_keeps_packed_words_in_int32(artifact):
         for kind in "kv":
             assert builtin_to_string(main_fn.inputs[f"layer{i}_{kind}_codes"].dtype) == "int32"
     assert coreml.packed_float_ops(program, *coreml.packed_names(LAYERS)) == []
-    # The unpack and pack are there, in int32: floor_div by powers of two on the words.
-    int_divs = [op for op in main_fn.operations if op.op_type == "floor_div"]
-    assert int_divs and all(builtin_to_string(op.outputs[0].dtype) == "int32" for op in int_divs)
+    # The check walked the unpack of every packed input (>= 2 integer divisions each: bytes, then codes)
+    # and the pack of every packed output.
+    inputs, outputs = coreml.packed_names(LAYERS)
+    path = coreml.packed_path(program, inputs, outputs)
+    divs = [op for op in path if op.op_type == "floor_div"]
+    assert len(divs) >= 2 * len(inputs) and all(builtin_to_string(op.outputs[0].dtype) == "int32" for op in divs)
+    assert {var.op.name for var in main_fn.outputs if var.name in outputs} <= {op.name for op in path}
 
 
 class Unpack(torch.nn.Module):

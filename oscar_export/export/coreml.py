@@ -181,14 +181,13 @@ def _dtype(var) -> str:
     return types.builtin_to_string(var.dtype)
 
 
-def packed_float_ops(mil_program, packed_inputs, packed_outputs) -> list[str]:
-    """Operations on packed data that compute in floating point: 'op_type name (dtypes)'.
+def packed_path(mil_program, packed_inputs, packed_outputs) -> list:
+    """The operations on packed data, in program order.
 
     Packed data: the packed-word inputs and everything derived from them up to the unpacked codes
     (a gather's indices: what it gathers is level values, no longer packed), and on the way out
     every op that the packed-word outputs are computed from, back to the threshold comparisons
-    whose bool results start the codes. fp16 holds integers exactly only below 2048 and fp32 below
-    2^24; a packed word has 32 bits, so any float op there corrupts codes.
+    whose bool results start the codes.
     """
     main = mil_program.functions["main"]
     tainted, ops = {main.inputs[name].name for name in packed_inputs}, []
@@ -213,8 +212,18 @@ def packed_float_ops(mil_program, packed_inputs, packed_outputs) -> list[str]:
             for v in var if isinstance(var, (list, tuple)) else [var]:
                 if v.name in producers and _dtype(v) != "bool" and producers[v.name].op_type != "const":
                     stack.append(producers[v.name])
+    order = {id(op): i for i, op in enumerate(main.operations)}
+    return sorted({id(op): op for op in ops}.values(), key=lambda op: order[id(op)])
+
+
+def packed_float_ops(mil_program, packed_inputs, packed_outputs) -> list[str]:
+    """Operations on packed data (packed_path) that compute in floating point: 'op_type name (dtypes)'.
+
+    fp16 holds integers exactly only below 2048 and fp32 below 2^24; a packed word has 32 bits, so
+    any float op there corrupts codes.
+    """
     found = []
-    for op in dict.fromkeys(ops):
+    for op in packed_path(mil_program, packed_inputs, packed_outputs):
         dtypes = sorted(({_dtype(v) for var in op.inputs.values()
                           for v in (var if isinstance(var, (list, tuple)) else [var])}
                          | {_dtype(v) for v in op.outputs}) - {"string"})  # string: an attribute (cast's dtype)
