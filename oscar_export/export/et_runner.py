@@ -54,8 +54,9 @@ def kernel_error() -> str:
     return lib.oscar_executorch_last_error().decode() if lib is not None else ""
 
 
-def load_method(path, method: str = "forward"):
-    """The program's method through the pybindings; a clear error when the OSCAR kernel is missing."""
+def load_program(path):
+    """The program through the pybindings; a clear error when the OSCAR kernel is missing. Keep the
+    returned program alive as long as any method loaded from it."""
     from executorch.extension.pybindings import portable_lib
 
     path = Path(path)
@@ -65,8 +66,7 @@ def load_method(path, method: str = "forward"):
         raise OscarInputError(f"{path.name} calls {OP}, which this ExecuTorch runtime does not have: load "
                               f"{LIBRARY_FILE} first (ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL), or "
                               "oscar_export.export.et_runner.load_kernels())")
-    program = portable_lib._load_program(str(path))
-    return program.load_method(method)
+    return portable_lib._load_program(str(path))
 
 
 class EtLM:
@@ -81,8 +81,9 @@ class EtLM:
         load_kernels(library)
         if threads:
             portable_lib._unsafe_reset_threadpool(threads)
-        self.method = load_method(directory / MODEL_FILE)
-        self.max_context = int(load_method(directory / MODEL_FILE, "get_max_context_len")([])[0])
+        self.program = load_program(directory / MODEL_FILE)
+        self.method = self.program.load_method("forward")
+        self.max_context = int(self.program.load_method("get_max_context_len")([])[0])
         layers = self.method.method_meta().num_attributes() // len(CACHE_NAMES)
         self.cache_names = [f"cache.{i}.{name}" for i in range(layers) for name in CACHE_NAMES]
         self.max_chunk, self.length = max_chunk, 0
