@@ -126,6 +126,18 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return ids
 
 
+def eager_module(directory, manifest: dict):
+    """The eager graph (graph.OscarCausalLM) of the artifact's source model, config and rotations."""
+    from ..hf_cache import _resolve_rotations
+    from ..models import load_model
+    from .graph import OscarCausalLM
+
+    model, _ = load_model(manifest["model"]["source"])
+    rotations = manifest["rotations"]
+    resolved = _resolve_rotations(str(Path(directory) / rotations) if rotations == ROTATION_FILE else rotations, model)
+    return OscarCausalLM(model, config_for(resolved, **manifest["config"]), resolved).eval()
+
+
 def eager_trace(module, ids: list[int], steps: int, max_context: int, max_chunk: int, eos=()) -> dict:
     """Greedy run of the eager graph (graph.OscarCausalLM, in-place cache): the reference of parity.
 

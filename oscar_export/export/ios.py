@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from ..config import OscarConfig, OscarInputError
-from .artifact import (ROTATION_FILE, check_out, config_for, eos_ids, file_table, load_manifest, manifest_format,
-                       prompt_ids, staged, write_manifest)
+from .artifact import (ROTATION_FILE, check_out, config_for, eager_module, eager_trace, eos_ids, file_table,
+                       load_manifest, manifest_format, prompt_ids, staged, write_manifest)
 
 MAX_CHUNK = 512  # prefill chunk: longer prompts run in several chunks
 PACKAGES = ("oscar-export", "torch", "transformers", "coremltools")
@@ -179,18 +179,12 @@ def reference_trace(directory, ids: list[int], steps: int, eos=()) -> dict:
     rotations and weights as the artifact stores them (fp16, or 4-bit dequantized)."""
     import torch
 
-    from ..hf_cache import _resolve_rotations
-    from ..models import load_model
     from .coreml_runner import load
     from .mil_eval import saved_program, weights
 
     directory = Path(directory)
     manifest = load_manifest(directory, "ios")
-    model, _ = load_model(manifest["model"]["source"])
-    rotations = manifest["rotations"]
-    resolved = _resolve_rotations(str(directory / rotations) if rotations == ROTATION_FILE else rotations, model)
-    fields = dict(manifest["config"])
-    module = build_module(model, config_for(resolved, **fields), resolved)
+    module = eager_module(directory, manifest)
     state = module.state_dict()
     found = weights(saved_program(load(directory)))
     for key in state:
@@ -198,22 +192,4 @@ def reference_trace(directory, ids: list[int], steps: int, eos=()) -> dict:
         if name in found:
             state[key] = torch.from_numpy(found[name].astype(np.float32))
     module.load_state_dict(state)
-    cache = module.new_cache(manifest["max_context"])
-    length, tokens, logits = torch.zeros(1, dtype=torch.int64), [], []
-    with torch.no_grad():
-        step = module(torch.tensor([ids[:manifest["max_chunk"]]]), length, *cache)
-        length += min(len(ids), manifest["max_chunk"])
-        for start in range(manifest["max_chunk"], len(ids), manifest["max_chunk"]):
-            chunk = ids[start:start + manifest["max_chunk"]]
-            step = module(torch.tensor([chunk]), length, *cache)
-            length += len(chunk)
-        for _ in range(steps):
-            logits.append(step[0, -1].numpy().copy())
-            tokens.append(int(step[0, -1].argmax()))
-            if tokens[-1] in eos or len(tokens) == steps:
-                break
-            step = module(torch.tensor([[tokens[-1]]]), length, *cache)
-            length += 1
-    names = [name for name, _, _ in module.cache_spec(manifest["max_context"])]
-    codes = {name: t.numpy() for name, t in zip(names, cache) if name.endswith("_codes")}
-    return {"tokens": tokens, "logits": logits, "codes": codes}
+    return eager_trace(module, ids, steps, manifest["max_context"], manifest["max_chunk"], eos)

@@ -17,8 +17,8 @@ import torch
 from onnx import numpy_helper
 
 from ..config import OscarInputError
-from .artifact import (ROTATION_FILE, check_out, config_for, eager_trace, eos_ids, file_table, load_manifest,
-                       manifest_format, prompt_ids, reference_tokens, staged, write_manifest)
+from .artifact import (ROTATION_FILE, check_out, config_for, eager_module, eager_trace, eos_ids, file_table,
+                       load_manifest, manifest_format, prompt_ids, reference_tokens, staged, write_manifest)
 from .onnx_export import MODEL_FILE
 from .ort_runner import LIBRARY_FILE, RUNTIMES, OrtLM
 
@@ -139,15 +139,8 @@ def _matmul_nbits_weights(model_path: Path) -> list[torch.Tensor]:
 
 def artifact_module(directory, manifest: dict):
     """The eager graph with the weights as the artifact stores them (4-bit ones dequantized, fp16 embeddings)."""
-    from ..hf_cache import _resolve_rotations
-    from ..models import load_model
-    from .graph import OscarCausalLM
-
     directory = Path(directory)
-    model, _ = load_model(manifest["model"]["source"])
-    rotations = manifest["rotations"]
-    resolved = _resolve_rotations(str(directory / rotations) if rotations == ROTATION_FILE else rotations, model)
-    module = OscarCausalLM(model, config_for(resolved, **manifest["config"]), resolved).eval()
+    module = eager_module(directory, manifest)
     if manifest["weights"] == "float32":
         return module
     linears = []  # in call order, which is the exporter's node order
