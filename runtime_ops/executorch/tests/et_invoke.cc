@@ -46,7 +46,8 @@ extern "C" __attribute__((visibility("default"))) int oscar_et_invoke(void* cons
       sizes[i][d] = SizesType(dims[3 * i + d]);
       dim_order[i][d] = uint8_t(d);
       strides[i][d] = stride;
-      stride *= sizes[i][d];
+      // Empty dims count as 1, as torch and the program emitter lay them out (empty cache regions).
+      stride *= sizes[i][d] > 0 ? sizes[i][d] : 1;
     }
     // `out` is resized by the kernel: its capacity is what the caller allocated.
     impls.emplace_back(ScalarType(dtypes[i]), rank, sizes[i], tensors[i], dim_order[i], strides[i],
