@@ -3,7 +3,6 @@ host, the CLI and the benchmark, against the eager module (the PyTorch reference
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys

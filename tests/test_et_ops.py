@@ -147,8 +147,10 @@ def test_capacity_exceeded(kernel, golden_feeds):
 
 def test_wrong_shape_rank_and_dtype(kernel, golden_feeds):
     case, feeds = golden_feeds
-    expect_error(kernel, case, dict(feeds, k_scale=feeds["k_scale"][:, 1:].copy()), r"input 'k_scale' has shape .* expected")
-    expect_error(kernel, case, dict(feeds, v_codes=feeds["v_codes"][0].copy()), r"input 'v_codes' has shape .* expected")
+    expect_error(kernel, case, dict(feeds, k_scale=feeds["k_scale"][:, 1:].copy()),
+                 r"input 'k_scale' has shape .* expected")
+    expect_error(kernel, case, dict(feeds, v_codes=feeds["v_codes"][0].copy()),
+                 r"input 'v_codes' has shape .* expected")
     expect_error(kernel, case, dict(feeds, k_sink=feeds["k_sink"][0].copy()), r"input 'k_sink' .* expected rank 3")
     expect_error(kernel, case, dict(feeds, v_new=feeds["v_new"][:, :1].copy()), r"input 'v_new' has shape")
     expect_error(kernel, case, dict(feeds, length=np.array([0, 1], np.int64)), r"input 'length' has shape")

@@ -183,8 +183,8 @@ def export_android(model_name: str, out, rotations: str = "hadamard", max_contex
             "config": config.to_dict(),
             "max_context": max_context,
             "max_chunk": max_chunk,
-            "weights": "float32" if float_weights else (f"int4 (torchao 8-bit dynamic activations, group {group_size}), "
-                                                         "fp16 embeddings"),
+            "weights": "float32" if float_weights else
+                       f"int4 (torchao 8-bit dynamic activations, group {group_size}), fp16 embeddings",
             "eos_token_ids": eos_ids(model),
             "files": file_table(temp),
             "plan": plan(shape, config, memory, max_context, weight_bits=16 if float_weights else 4,
