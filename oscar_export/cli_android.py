@@ -6,59 +6,25 @@ cli_targets.py dispatches here. Bad input raises OscarInputError, which becomes 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
-import sys
-from pathlib import Path
 
-from .cli import _Parser, add_cache_flags, positive_int
-from .config import OscarInputError
-
-
-def _export_parser() -> argparse.ArgumentParser:
-    from .export.android import DEFAULT_GROUP_SIZE
-
-    p = _Parser(prog="oscar-export --target android",
-                description="Export a model for ExecuTorch on Android: model.pte (XNNPACK, the native OSCAR kernel "
-                            "over a packed cache in mutable buffers), the kernel library and its C++ sources for an "
-                            "NDK build, tokenizer and manifest.json.")
-    p.add_argument("--target", choices=("android",), required=True)
-    p.add_argument("--model", default="bundled", help="'bundled' or a local Hugging Face checkpoint directory")
-    p.add_argument("--rotations", default="hadamard", help="a rotation file, hadamard or none (default %(default)s)")
-    p.add_argument("--context", type=positive_int,
-                   help="max tokens of the cache (default: the model's max_position_embeddings, at most 4096)")
-    p.add_argument("--out", type=Path, default=Path("oscar-android"), help="artifact directory (default %(default)s)")
-    p.add_argument("--float-weights", action="store_true",
-                   help="keep float weights (default: 4-bit grouped weights, 8-bit dynamic activations)")
-    p.add_argument("--group-size", type=positive_int, default=DEFAULT_GROUP_SIZE,
-                   help="input channels per 4-bit weight group (default %(default)s)")
-    p.add_argument("--device-memory", default="8GB", help="phone memory for the manifest's plan (default %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the manifest")
-    add_cache_flags(p)
-    p.set_defaults(k_clip=None, v_clip=None)  # unset: a rotation file's clip ratios apply
-    return p
+from .cli import positive_int
+from .cli_targets import export_parser, run_export
 
 
 def export_target(argv: list[str]) -> int:
     """Run `oscar-export --target android ...`; argv is the whole command line."""
-    args = _export_parser().parse_args(argv)
-    from .export.android import export_android
+    from .export.android import DEFAULT_GROUP_SIZE, export_android
 
-    try:
-        manifest = export_android(
-            args.model, args.out, rotations=args.rotations, max_context=args.context,
-            float_weights=args.float_weights, group_size=args.group_size, device_memory=args.device_memory,
-            k_bits=args.k_bits or args.bits, v_bits=args.v_bits or args.bits, cluster_dim=args.cluster_dim,
-            k_clip=args.k_clip, v_clip=args.v_clip, sink=args.sink, recent=args.recent)
-    except (OscarInputError, RuntimeError) as err:  # RuntimeError: the kernel library could not be built
-        print(f"oscar-export --target android: error: {err}".splitlines()[0], file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(manifest, indent=2))
-    else:
-        print(f"wrote {args.out}: {len(manifest['files'])} files, model.pte "
-              f"{manifest['files']['model.pte']['bytes'] / 2**20:.1f} MiB, weights {manifest['weights']}, "
-              f"context {manifest['max_context']}")
-    return 0
+    p = export_parser("android", "Export a model for ExecuTorch on Android: model.pte (XNNPACK, the native OSCAR "
+                                 "kernel over a packed cache in mutable buffers), the kernel library and its C++ "
+                                 "sources for an NDK build, tokenizer and manifest.json.",
+                      "keep float weights (default: 4-bit grouped weights, 8-bit dynamic activations)", "8GB")
+    p.add_argument("--group-size", type=positive_int, default=DEFAULT_GROUP_SIZE,
+                   help="input channels per 4-bit weight group (default %(default)s)")
+    args = p.parse_args(argv)
+    return run_export("android", args, functools.partial(export_android, group_size=args.group_size))
 
 
 def run_artifact(directory, prompt: str, max_new_tokens: int, runtime: str, threads: int) -> dict:

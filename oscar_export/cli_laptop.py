@@ -7,52 +7,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
-from pathlib import Path
 
-from .cli import _Parser, add_cache_flags, positive_int
-from .config import OscarInputError
-
-
-def _export_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="oscar-export --target laptop",
-                description="Export a model for ONNX Runtime on a laptop: model.onnx with the native OscarAttention "
-                            "op, a pure-ONNX fallback graph, the op library, tokenizer and manifest.json.")
-    p.add_argument("--target", choices=("laptop",), required=True)
-    p.add_argument("--model", default="bundled", help="'bundled' or a local Hugging Face checkpoint directory")
-    p.add_argument("--rotations", default="hadamard", help="a rotation file, hadamard or none (default %(default)s)")
-    p.add_argument("--context", type=positive_int,
-                   help="max tokens of the cache (default: the model's max_position_embeddings, at most 4096)")
-    p.add_argument("--out", type=Path, default=Path("oscar-laptop"), help="artifact directory (default %(default)s)")
-    p.add_argument("--float-weights", action="store_true", help="keep float weights (default: 4-bit MatMulNBits)")
-    p.add_argument("--device-memory", default="16GB", help="memory for the manifest's plan (default %(default)s)")
-    p.add_argument("--json", action="store_true", help="print the manifest")
-    add_cache_flags(p)
-    p.set_defaults(k_clip=None, v_clip=None)  # unset: a rotation file's clip ratios apply
-    return p
+from .cli_targets import export_parser, run_export
 
 
 def export_target(argv: list[str]) -> int:
     """Run `oscar-export --target laptop ...`; argv is the whole command line."""
-    args = _export_parser().parse_args(argv)
     from .export.laptop import export_laptop
 
-    try:
-        manifest = export_laptop(
-            args.model, args.out, rotations=args.rotations, max_context=args.context,
-            float_weights=args.float_weights, device_memory=args.device_memory, k_bits=args.k_bits or args.bits,
-            v_bits=args.v_bits or args.bits, cluster_dim=args.cluster_dim, k_clip=args.k_clip, v_clip=args.v_clip,
-            sink=args.sink, recent=args.recent)
-    except (OscarInputError, RuntimeError) as err:  # RuntimeError: the native op library could not be built
-        print(f"oscar-export --target laptop: error: {err}".splitlines()[0], file=sys.stderr)
-        return 2
-    if args.json:
-        print(json.dumps(manifest, indent=2))
-    else:
-        total = sum(f["bytes"] for f in manifest["files"].values())
-        print(f"wrote {args.out}: {len(manifest['files'])} files, {total / 2**20:.1f} MiB, weights "
-              f"{manifest['weights']}, context {manifest['max_context']}")
-    return 0
+    p = export_parser("laptop", "Export a model for ONNX Runtime on a laptop: model.onnx with the native "
+                                "OscarAttention op, a pure-ONNX fallback graph, the op library, tokenizer and "
+                                "manifest.json.",
+                      "keep float weights (default: 4-bit MatMulNBits)", "16GB")
+    return run_export("laptop", p.parse_args(argv), export_laptop)
 
 
 def run_artifact(directory, prompt: str, max_new_tokens: int, runtime: str, threads: int) -> dict:

@@ -1,9 +1,9 @@
 """`oscar-export --target T`, `run` and `bench`: dispatch to the target's CLI module.
 
 targets/<name>.toml names each target's module (oscar_export.targets). A module provides
-export_target(argv) for `--target`, run_artifact(directory, prompt, max_new_tokens, runtime,
-threads) for `run`, and bench(args, runtime) for `bench attention` when its recipe lists
-bench runtimes.
+export_target(argv) for `--target` (built from export_parser and run_export here),
+run_artifact(directory, prompt, max_new_tokens, runtime, threads) for `run`, bench(args) when
+its recipe lists bench runtimes, and the parity hooks parity.run_artifact_parity looks up.
 """
 
 from __future__ import annotations
@@ -28,6 +28,45 @@ def export_target(argv: list[str]) -> int:
         print(f"oscar-export --target {target}: export is not available yet in this version", file=sys.stderr)
         return 2
     return module.export_target(argv)
+
+
+def export_parser(target: str, description: str, float_weights_help: str, device_memory: str) -> argparse.ArgumentParser:
+    """The flags every target's export takes; a target adds its own (android: --group-size)."""
+    p = _Parser(prog=f"oscar-export --target {target}", description=description)
+    p.add_argument("--target", choices=(target,), required=True)
+    p.add_argument("--model", default="bundled", help="'bundled' or a local Hugging Face checkpoint directory")
+    p.add_argument("--rotations", default="hadamard", help="a rotation file, hadamard or none (default %(default)s)")
+    p.add_argument("--context", type=positive_int,
+                   help="max tokens of the cache (default: the model's max_position_embeddings, at most 4096)")
+    p.add_argument("--out", type=Path, default=Path(recipe(target)["default_out"]),
+                   help="artifact directory (default %(default)s)")
+    p.add_argument("--float-weights", action="store_true", help=float_weights_help)
+    p.add_argument("--device-memory", default=device_memory, help="memory for the manifest's plan (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the manifest")
+    add_cache_flags(p)
+    p.set_defaults(k_clip=None, v_clip=None)  # unset: a rotation file's clip ratios apply
+    return p
+
+
+def run_export(target: str, args: argparse.Namespace, export, summary: str = "") -> int:
+    """Call export(model, out, rotations=..., max_context=..., float_weights=..., device_memory=..., **cache
+    fields) and print the manifest (--json) or one line; bad input is a one-line error."""
+    try:
+        manifest = export(args.model, args.out, rotations=args.rotations, max_context=args.context,
+                          float_weights=args.float_weights, device_memory=args.device_memory,
+                          k_bits=args.k_bits or args.bits, v_bits=args.v_bits or args.bits,
+                          cluster_dim=args.cluster_dim, k_clip=args.k_clip, v_clip=args.v_clip, sink=args.sink,
+                          recent=args.recent)
+    except (OscarInputError, RuntimeError) as err:  # RuntimeError: a native library could not be built
+        print(f"oscar-export --target {target}: error: {err}".splitlines()[0], file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(manifest, indent=2))
+    else:
+        total = sum(f["bytes"] for f in manifest["files"].values())
+        print(f"wrote {args.out}: {len(manifest['files'])} files, {total / 2**20:.1f} MiB, weights "
+              f"{manifest['weights']}, context {manifest['max_context']}{summary.format(**manifest)}")
+    return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
