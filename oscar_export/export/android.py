@@ -8,7 +8,6 @@ tokenizer files, the rotation file when one was used, and manifest.json.
 
 from __future__ import annotations
 
-import importlib.metadata
 import shutil
 from pathlib import Path
 
@@ -16,8 +15,8 @@ import torch
 from torch import nn
 
 from ..config import OscarInputError
-from .artifact import (ROTATION_FILE, check_out, config_for, eos_ids, file_table, load_manifest, manifest_format,
-                       prompt_ids, reference_tokens, staged, write_manifest)
+from .artifact import (check_out, config_for, eos_ids, finish_manifest, load_manifest, prompt_ids, reference_tokens,
+                       save_inputs, staged)
 from .graph import CACHE_NAMES, OscarCausalLM
 
 MODEL_FILE = "model.pte"
@@ -169,29 +168,13 @@ def export_android(model_name: str, out, rotations: str = "hadamard", max_contex
         program.write_to_file(open(temp / MODEL_FILE, "wb"))
         shutil.copy2(library, temp / LIBRARY_FILE)
         copy_native_sources(temp / NATIVE_DIR)
-        tokenizer.save_pretrained(temp)
-        if resolved not in ("hadamard", "none"):
-            shutil.copy2(rotations, temp / ROTATION_FILE)
-        manifest = {
-            "format": manifest_format("android"),
-            "target": "android",
-            "runtime": "executorch",
-            "model": {"source": model_name if model_name == "bundled" else str(Path(model_name).resolve()),
-                      "model_type": model.config.model_type, "layers": shape.layers, "q_heads": shape.q_heads,
-                      "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "vocab": shape.vocab},
-            "rotations": ROTATION_FILE if resolved not in ("hadamard", "none") else resolved,
-            "config": config.to_dict(),
-            "max_context": max_context,
-            "max_chunk": max_chunk,
-            "weights": "float32" if float_weights else
-                       f"int4 (torchao 8-bit dynamic activations, group {group_size}), fp16 embeddings",
-            "eos_token_ids": eos_ids(model),
-            "files": file_table(temp),
-            "plan": plan(shape, config, memory, max_context, weight_bits=16 if float_weights else 4,
-                         weight_group=group_size),
-            "versions": {name: importlib.metadata.version(name) for name in PACKAGES},
-        }
-        write_manifest(temp, manifest)
+        manifest = finish_manifest(
+            temp, "android", "executorch", model_name, model, shape, save_inputs(temp, tokenizer, rotations, resolved),
+            config, max_context, max_chunk,
+            "float32" if float_weights else
+            f"int4 (torchao 8-bit dynamic activations, group {group_size}), fp16 embeddings",
+            plan(shape, config, memory, max_context, weight_bits=16 if float_weights else 4, weight_group=group_size),
+            PACKAGES)
     return manifest
 
 

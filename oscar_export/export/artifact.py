@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
 import shutil
@@ -81,6 +82,41 @@ def staged(out: Path):
 
 def write_manifest(directory: Path, manifest: dict) -> None:
     (Path(directory) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def save_inputs(temp: Path, tokenizer, rotations, resolved) -> str:
+    """The tokenizer and, when one was used, the rotation file; returns the manifest's `rotations` entry."""
+    tokenizer.save_pretrained(temp)
+    if resolved in ("hadamard", "none"):
+        return resolved
+    shutil.copy2(rotations, Path(temp) / ROTATION_FILE)
+    return ROTATION_FILE
+
+
+def finish_manifest(temp: Path, target: str, runtime: str, model_name: str, model, shape, rotations: str,
+                    config: OscarConfig, max_context: int, max_chunk: int, weights: str, plan: dict,
+                    packages: tuple[str, ...], **extra) -> dict:
+    """Write manifest.json (what was exported, sha256 of every file written so far) and return it."""
+    manifest = {
+        "format": manifest_format(target),
+        "target": target,
+        "runtime": runtime,
+        "model": {"source": model_name if model_name == "bundled" else str(Path(model_name).resolve()),
+                  "model_type": model.config.model_type, "layers": shape.layers, "q_heads": shape.q_heads,
+                  "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "vocab": shape.vocab},
+        "rotations": rotations,
+        "config": config.to_dict(),
+        "max_context": max_context,
+        "max_chunk": max_chunk,
+        "weights": weights,
+        "eos_token_ids": eos_ids(model),
+        **extra,
+        "files": file_table(temp),
+        "plan": plan,
+        "versions": {name: importlib.metadata.version(name) for name in packages},
+    }
+    write_manifest(temp, manifest)
+    return manifest
 
 
 def load_manifest(directory, target: str | None = None) -> dict:

@@ -7,15 +7,13 @@ the cache I/O layout, sha256 of every file).
 
 from __future__ import annotations
 
-import importlib.metadata
-import shutil
 from pathlib import Path
 
 import numpy as np
 
 from ..config import OscarConfig, OscarInputError
-from .artifact import (ROTATION_FILE, check_out, config_for, eager_module, eager_trace, eos_ids, file_table,
-                       load_manifest, manifest_format, prompt_ids, staged, write_manifest)
+from .artifact import (check_out, config_for, eager_module, eager_trace, finish_manifest, load_manifest, prompt_ids,
+                       save_inputs, staged)
 
 MAX_CHUNK = 512  # prefill chunk: longer prompts run in several chunks
 PACKAGES = ("oscar-export", "torch", "transformers", "coremltools")
@@ -85,39 +83,23 @@ def export_ios(model_name: str, out, rotations: str = "hadamard", max_context: i
     mlmodel = convert(module, max_context, max_chunk, float_weights)
     with staged(out) as temp:
         mlmodel.save(str(temp / MODEL_FILE))
-        tokenizer.save_pretrained(temp)
-        if resolved not in ("hadamard", "none"):
-            shutil.copy2(rotations, temp / ROTATION_FILE)
         args = (len(module.layers), module.kv_heads, module.head_dim)
-        manifest = {
-            "format": manifest_format("ios"),
-            "target": "ios",
-            "runtime": "coreml",
-            "deployment_target": "iOS18 / macOS15",
-            "model": {"source": model_name if model_name == "bundled" else str(Path(model_name).resolve()),
-                      "model_type": model.config.model_type, "layers": shape.layers, "q_heads": shape.q_heads,
-                      "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "vocab": shape.vocab},
-            "rotations": ROTATION_FILE if resolved not in ("hadamard", "none") else resolved,
-            "config": config.to_dict(),
-            "max_context": max_context,
-            "max_chunk": max_chunk,
-            "compute_precision": "float32",
-            "weights": "float16" if float_weights else f"int4 (linear_symmetric, block {WEIGHT_BLOCK})",
-            "eos_token_ids": eos_ids(model),
-            "io": io_layout(module, max_context, max_chunk),
-            "cache": {
+        manifest = finish_manifest(
+            temp, "ios", "coreml", model_name, model, shape, save_inputs(temp, tokenizer, rotations, resolved),
+            config, max_context, max_chunk,
+            "float16" if float_weights else f"int4 (linear_symmetric, block {WEIGHT_BLOCK})",
+            plan(shape, config, memory, max_context, weight_bits=16 if float_weights else 4, weight_group=WEIGHT_BLOCK),
+            PACKAGES,
+            deployment_target="iOS18 / macOS15",
+            compute_precision="float32",
+            io=io_layout(module, max_context, max_chunk),
+            cache={
                 "bytes": sum(int(np.prod(s)) * np.dtype(t).itemsize for _, s, t in cache_inputs(module, max_context)),
                 "bits_per_element_at_max_context": cache_bits_per_element(cache_inputs(module, max_context), *args,
                                                                           max_context),
                 f"bits_per_element_at_{LONG_CONTEXT}": cache_bits_per_element(
                     cache_inputs(module, LONG_CONTEXT), *args, LONG_CONTEXT),
-            },
-            "files": file_table(temp),
-            "plan": plan(shape, config, memory, max_context, weight_bits=16 if float_weights else 4,
-                         weight_group=WEIGHT_BLOCK),
-            "versions": {name: importlib.metadata.version(name) for name in PACKAGES},
-        }
-        write_manifest(temp, manifest)
+            })
     return manifest
 
 

@@ -7,7 +7,6 @@ file when one was used, and manifest.json (what was exported, with sha256 of eve
 
 from __future__ import annotations
 
-import importlib.metadata
 import shutil
 from pathlib import Path
 
@@ -17,8 +16,8 @@ import torch
 from onnx import numpy_helper
 
 from ..config import OscarInputError
-from .artifact import (ROTATION_FILE, check_out, config_for, eager_module, eager_trace, eos_ids, file_table,
-                       load_manifest, manifest_format, prompt_ids, reference_tokens, staged, write_manifest)
+from .artifact import (check_out, config_for, eager_module, eager_trace, finish_manifest, load_manifest, prompt_ids,
+                       reference_tokens, save_inputs, staged)
 from .onnx_export import MODEL_FILE
 from .ort_runner import LIBRARY_FILE, RUNTIMES, OrtLM
 
@@ -55,28 +54,12 @@ def export_laptop(model_name: str, out, rotations: str = "hadamard", max_context
     with staged(out) as temp:
         export_onnx(module, temp, max_context, max_chunk, float_weights)
         shutil.copy2(ort_library_path(), temp / LIBRARY_FILE)
-        tokenizer.save_pretrained(temp)
-        if resolved not in ("hadamard", "none"):
-            shutil.copy2(rotations, temp / ROTATION_FILE)
-        manifest = {
-            "format": manifest_format("laptop"),
-            "target": "laptop",
-            "runtime": "onnxruntime",
-            "model": {"source": model_name if model_name == "bundled" else str(Path(model_name).resolve()),
-                      "model_type": model.config.model_type, "layers": shape.layers, "q_heads": shape.q_heads,
-                      "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "vocab": shape.vocab},
-            "rotations": ROTATION_FILE if resolved not in ("hadamard", "none") else resolved,
-            "config": config.to_dict(),
-            "max_context": max_context,
-            "max_chunk": max_chunk,
-            "weights": "float32" if float_weights else f"int4 (MatMulNBits, block {WEIGHT_BLOCK})",
-            "eos_token_ids": eos_ids(model),
-            "files": file_table(temp),
-            "plan": plan(shape, config, memory, max_context, weight_bits=16 if float_weights else 4,
-                         weight_group=WEIGHT_BLOCK),
-            "versions": {name: importlib.metadata.version(name) for name in PACKAGES},
-        }
-        write_manifest(temp, manifest)
+        manifest = finish_manifest(
+            temp, "laptop", "onnxruntime", model_name, model, shape, save_inputs(temp, tokenizer, rotations, resolved),
+            config, max_context, max_chunk,
+            "float32" if float_weights else f"int4 (MatMulNBits, block {WEIGHT_BLOCK}), fp16 embeddings",
+            plan(shape, config, memory, max_context, weight_bits=16 if float_weights else 4, weight_group=WEIGHT_BLOCK),
+            PACKAGES)
     return manifest
 
 
