@@ -27,12 +27,14 @@ def parse_bytes(text: str, name: str = "memory") -> int:
 
 
 def weight_bytes(
-    shape: ModelShape, weight_bits: int, embedding_bits: int = 16, group: int = DEFAULT_WEIGHT_GROUP
+    shape: ModelShape, weight_bits: int, embedding_bits: int = 16, group: int = DEFAULT_WEIGHT_GROUP,
+    zero_points: bool = True,
 ) -> dict[str, int]:
-    """Bytes of each part of the weights; linear layers and lm_head at weight_bits."""
+    """Bytes of each part of the weights; linear layers and lm_head at weight_bits, with an fp16 scale per
+    group of input channels and, unless the quantization is symmetric (zero_points=False), an fp16 zero."""
 
     def _matrix_bytes(params: int, bits: int) -> int:
-        return params * 2 if bits >= 16 else params * bits // 8 + -(-params // group) * 4
+        return params * 2 if bits >= 16 else params * bits // 8 + -(-params // group) * (4 if zero_points else 2)
 
     attn = shape.hidden * shape.head_dim * (2 * shape.q_heads + 2 * shape.kv_heads)
     mlp = 3 * shape.hidden * shape.intermediate
@@ -87,6 +89,7 @@ def plan(
     embedding_bits: int = 16,
     reserve: int | None = None,
     weight_group: int = DEFAULT_WEIGHT_GROUP,
+    weight_zero_points: bool = True,
 ) -> dict:
     config.check_head_dim(shape.head_dim)
     if not isinstance(context, int) or context <= 0:
@@ -100,7 +103,7 @@ def plan(
         raise OscarInputError(f"reserve={reserve} bytes: expected 0 <= reserve < device memory ({device_memory})")
     if not isinstance(weight_group, int) or weight_group <= 0:
         raise OscarInputError(f"weight_group={weight_group!r}: expected a positive channel count")
-    weights = weight_bytes(shape, weight_bits, embedding_bits, weight_group)
+    weights = weight_bytes(shape, weight_bits, embedding_bits, weight_group, weight_zero_points)
 
     def oscar(n: int) -> int:
         return cache_bytes(config, shape.layers, shape.kv_heads, shape.head_dim, n)
@@ -127,6 +130,7 @@ def plan(
         "weight_bits": weight_bits,
         "embedding_bits": embedding_bits,
         "weight_group": weight_group,
+        "weight_zero_points": weight_zero_points,
         "weights_bytes": weights["total"],
         "weights_breakdown": weights,
         "kv_bytes_per_token": kv_bytes_per_token(config, shape),

@@ -173,7 +173,8 @@ def export_android(model_name: str, out, rotations: str = "hadamard", max_contex
             config, max_context, max_chunk,
             "float32" if float_weights else
             f"int4 (torchao 8-bit dynamic activations, group {group_size}), fp16 embeddings",
-            plan(shape, config, memory, max_context, weight_bits=16 if float_weights else 4, weight_group=group_size),
+            plan(shape, config, memory, max_context, weight_bits=16 if float_weights else 4, weight_group=group_size,
+                 weight_zero_points=False),  # XNNPACK's 4-bit weights are symmetric: a scale, no zero
             PACKAGES)
     return manifest
 
