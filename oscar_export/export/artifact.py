@@ -15,6 +15,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..config import OscarConfig, OscarInputError
@@ -197,3 +198,36 @@ def eager_trace(module, ids: list[int], steps: int, max_context: int, max_chunk:
     names = [name for name, _, _ in module.cache_spec(max_context)]
     return {"tokens": tokens, "logits": logits,
             "codes": {name: t.numpy() for name, t in zip(names, cache) if name.endswith("_codes")}}
+
+
+class GreedyLM:
+    """Greedy generation for a runtime's runner, which provides step(ids) -> the last position's logits
+    (advancing its cache by len(ids) tokens) and max_chunk, the longest chunk one step takes."""
+
+    max_chunk: int
+
+    def step(self, ids) -> np.ndarray:
+        raise NotImplementedError
+
+    def prefill(self, ids) -> np.ndarray:
+        ids = list(ids)
+        if not ids:
+            raise OscarInputError("prompt is empty: expected at least one token")
+        for start in range(0, len(ids), self.max_chunk):
+            logits = self.step(ids[start:start + self.max_chunk])
+        return logits
+
+    def trace(self, ids, steps: int, eos_token_ids=()) -> tuple[list[int], list[np.ndarray]]:
+        """Greedy tokens after the prompt, stopping after an EOS token or `steps` tokens, and the logits
+        each came from: the prefill's, then each decode step's."""
+        logits, tokens, seen = self.prefill(ids), [], []
+        while len(tokens) < steps:
+            seen.append(logits)
+            tokens.append(int(np.argmax(logits)))
+            if tokens[-1] in eos_token_ids or len(tokens) == steps:
+                break
+            logits = self.step([tokens[-1]])
+        return tokens, seen
+
+    def generate(self, ids, max_new_tokens: int, eos_token_ids=()) -> list[int]:
+        return self.trace(ids, max_new_tokens, eos_token_ids)[0]

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import OscarInputError
+from .artifact import GreedyLM
 from .coreml_ops import ROW_NAMES, apply_rows
 from .graph import CACHE_NAMES
 
@@ -31,7 +32,7 @@ def coreml_available() -> tuple[bool, str]:
     return True, ""
 
 
-class CoreMLLM:
+class CoreMLLM(GreedyLM):
     """One sequence through a converted model; `length` tokens are cached.
 
     model: a coremltools MLModel (from conversion, or loaded from the artifact's .mlpackage).
@@ -77,33 +78,6 @@ class CoreMLLM:
                        self.recent)
         self.length += ids.shape[1]
         return np.asarray(out["logits"], np.float32)[0, -1]
-
-    def prefill(self, ids) -> np.ndarray:
-        ids = list(ids)
-        if not ids:
-            raise OscarInputError("prompt is empty: expected at least one token")
-        for start in range(0, len(ids), self.max_chunk):
-            logits = self.step(ids[start:start + self.max_chunk])
-        return logits
-
-    def trace(self, ids, steps: int) -> tuple[list[int], list[np.ndarray]]:
-        """Greedy tokens and the logits they came from: the prefill's, then each decode step's."""
-        logits, tokens, all_logits = self.prefill(ids), [], []
-        for _ in range(steps):
-            all_logits.append(logits)
-            tokens.append(int(np.argmax(logits)))
-            if len(tokens) < steps:
-                logits = self.step([tokens[-1]])
-        return tokens, all_logits
-
-    def generate(self, ids, max_new_tokens: int, eos_token_ids=()) -> list[int]:
-        logits, tokens = self.prefill(ids), []
-        while len(tokens) < max_new_tokens:
-            tokens.append(int(np.argmax(logits)))
-            if tokens[-1] in eos_token_ids or len(tokens) == max_new_tokens:
-                break
-            logits = self.step([tokens[-1]])
-        return tokens
 
     def body_codes(self) -> dict[str, np.ndarray]:
         """Packed body codes as the format's bytes (uint8), by input name: the int32 words are those bytes."""

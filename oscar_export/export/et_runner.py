@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from ..config import OscarInputError
+from .artifact import GreedyLM
 from .android import LIBRARY_FILE, MODEL_FILE
 from .graph import CACHE_NAMES
 
@@ -69,7 +70,7 @@ def load_program(path):
     return portable_lib._load_program(str(path))
 
 
-class EtLM:
+class EtLM(GreedyLM):
     """One sequence through an exported .pte; `length` tokens are cached in its mutable buffers."""
 
     def __init__(self, directory, threads: int = 0, max_chunk: int = 256, library=None):
@@ -100,24 +101,6 @@ class EtLM:
             raise RuntimeError(f"oscar::attention: {kernel_error()}" if kernel_error() else str(err)) from None
         self.length += ids.shape[1]
         return logits.numpy()[0, -1]
-
-    def prefill(self, ids) -> np.ndarray:
-        ids = list(ids)
-        if not ids:
-            raise OscarInputError("prompt is empty: expected at least one token")
-        for start in range(0, len(ids), self.max_chunk):
-            logits = self.step(ids[start:start + self.max_chunk])
-        return logits
-
-    def generate(self, ids, max_new_tokens: int, eos_token_ids=()) -> list[int]:
-        """Greedy tokens after the prompt, stopping after an EOS token or max_new_tokens."""
-        logits, tokens = self.prefill(ids), []
-        while len(tokens) < max_new_tokens:
-            tokens.append(int(np.argmax(logits)))
-            if tokens[-1] in eos_token_ids or len(tokens) == max_new_tokens:
-                break
-            logits = self.step([tokens[-1]])
-        return tokens
 
     def cache_arrays(self) -> dict[str, np.ndarray]:
         """The cache as it is now, by buffer name (cache.{layer}.k_codes ...)."""

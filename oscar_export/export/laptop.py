@@ -89,13 +89,7 @@ def trace(directory, runtime: str, ids: list[int], steps: int) -> dict:
     """Greedy run of the artifact in ONNX Runtime: tokens, each step's logits, the packed body codes."""
     manifest = load_manifest(directory, "laptop")
     lm = OrtLM(directory, runtime, threads=0, max_chunk=manifest["max_chunk"])
-    step, tokens, logits = lm.prefill(ids), [], []
-    while len(tokens) < steps:
-        logits.append(step.copy())
-        tokens.append(int(np.argmax(step)))
-        if tokens[-1] in manifest["eos_token_ids"] or len(tokens) == steps:
-            break
-        step = lm.step([tokens[-1]])
+    tokens, logits = lm.trace(ids, steps, manifest["eos_token_ids"])
     codes = {name: array.copy() for name, array in lm.cache_arrays().items() if name.endswith("_codes")}
     return {"tokens": tokens, "logits": logits, "codes": codes}
 

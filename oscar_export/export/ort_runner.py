@@ -15,6 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from ..config import OscarInputError
+from .artifact import GreedyLM
 from .onnx_export import FALLBACK_FILE, MODEL_FILE
 
 RUNTIMES = ("onnxruntime", "onnx-fallback")
@@ -22,7 +23,7 @@ LIBRARY_FILE = "liboscar_ort.so"
 _DTYPES = {"tensor(float16)": np.float16, "tensor(uint8)": np.uint8, "tensor(float)": np.float32}
 
 
-class OrtLM:
+class OrtLM(GreedyLM):
     """One sequence through an exported model; `length` tokens are cached."""
 
     def __init__(self, directory, runtime: str = "onnxruntime", threads: int = 0, max_chunk: int = 512,
@@ -81,24 +82,6 @@ class OrtLM:
                 self.binding.bind_ortvalue_input(name, value)
         self.length += ids.shape[1]
         return outputs[0].numpy()[0, -1]
-
-    def prefill(self, ids) -> np.ndarray:
-        ids = list(ids)
-        if not ids:
-            raise OscarInputError("prompt is empty: expected at least one token")
-        for start in range(0, len(ids), self.max_chunk):
-            logits = self.step(ids[start:start + self.max_chunk])
-        return logits
-
-    def generate(self, ids, max_new_tokens: int, eos_token_ids=()) -> list[int]:
-        """Greedy tokens after the prompt, stopping after an EOS token or max_new_tokens."""
-        logits, tokens = self.prefill(ids), []
-        while len(tokens) < max_new_tokens:
-            tokens.append(int(np.argmax(logits)))
-            if tokens[-1] in eos_token_ids or len(tokens) == max_new_tokens:
-                break
-            logits = self.step([tokens[-1]])
-        return tokens
 
     def cache_arrays(self) -> dict[str, np.ndarray]:
         """The cache as it is now, by input name (layer{i}.k_codes ...)."""
