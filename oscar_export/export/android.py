@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ..config import OscarInputError
-from .artifact import (check_out, config_for, eos_ids, finish_manifest, load_manifest, prompt_ids, reference_tokens,
-                       save_inputs, staged)
+from .artifact import (check_export_args, config_for, default_context, eos_ids, finish_manifest,
+                       load_manifest, prompt_ids, reference_tokens, save_inputs, staged)
 from .graph import CACHE_NAMES, OscarCausalLM
 
 MODEL_FILE = "model.pte"
@@ -142,18 +142,14 @@ def export_android(model_name: str, out, rotations: str = "hadamard", max_contex
     from ..hf_cache import _resolve_rotations
     from ..models import load_model, model_shape
     from ..native import executorch_library_path
-    from ..planner import parse_bytes, plan
+    from ..planner import plan
 
-    check_out(Path(out))
-    memory = parse_bytes(device_memory, "--device-memory")
-    if rotations == "online":
-        raise OscarInputError("--rotations online estimates rotations from each prompt and cannot be exported: "
-                              "expected hadamard, none or a rotation file (oscar-export calibrate)")
+    memory = check_export_args(out, rotations, device_memory)
     if group_size <= 0:
         raise OscarInputError(f"--group-size {group_size}: expected a positive channel count")
     model, tokenizer = load_model(model_name)
     shape = model_shape(model_name)
-    max_context = max_context or min(4096, shape.max_position_embeddings or 4096)
+    max_context = default_context(shape, max_context)
     max_chunk = min(MAX_CHUNK, max_context)
     resolved = _resolve_rotations(rotations, model)
     config = config_for(resolved, **config_fields)

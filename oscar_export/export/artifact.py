@@ -60,6 +60,23 @@ def check_out(out: Path) -> None:
         raise OscarInputError(f"--out {str(out)!r}: parent directory does not exist")
 
 
+def check_export_args(out, rotations, device_memory: str) -> int:
+    """What every export refuses before loading a model; returns the device memory in bytes."""
+    from ..planner import parse_bytes
+
+    check_out(Path(out))
+    memory = parse_bytes(device_memory, "--device-memory")
+    if isinstance(rotations, str) and rotations == "online":
+        raise OscarInputError("--rotations online estimates rotations from each prompt and cannot be exported: "
+                              "expected hadamard, none or a rotation file (oscar-export calibrate)")
+    return memory
+
+
+def default_context(shape, max_context: int | None) -> int:
+    """--context, or the model's max_position_embeddings capped at 4096."""
+    return max_context or min(4096, shape.max_position_embeddings or 4096)
+
+
 @contextlib.contextmanager
 def staged(out: Path):
     """Yields an empty temporary directory next to `out`; on success it replaces `out` atomically."""

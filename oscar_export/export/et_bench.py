@@ -16,14 +16,14 @@ data, kept between calls):
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..config import OscarConfig, OscarInputError
+from ..config import OscarConfig
+from .bench import check_bench_args
 from .graph import CACHE_NAMES
 
 MIN_SECONDS, MIN_RUNS = 0.5, 10
@@ -111,15 +111,7 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
     from ..codec import packed_bytes
     from .et_runner import load_kernels
 
-    config = config or OscarConfig()
-    config.check_head_dim(head_dim)
-    if q_heads % kv_heads:
-        raise OscarInputError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
-    for context in contexts:
-        if context <= config.sink + config.recent:
-            raise OscarInputError(f"--context {context}: expected more than sink + recent = "
-                                  f"{config.sink + config.recent} tokens, so the packed body is used")
-    threads = threads or os.cpu_count()
+    config, threads = check_bench_args(contexts, q_heads, kv_heads, head_dim, config, threads)
     load_kernels()
     portable_lib._unsafe_reset_threadpool(threads)
     gen = torch.Generator().manual_seed(0)

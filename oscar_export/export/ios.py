@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import OscarConfig, OscarInputError
-from .artifact import (check_out, config_for, eager_module, eager_trace, finish_manifest, load_manifest, prompt_ids,
-                       save_inputs, staged)
+from ..config import OscarConfig
+from .artifact import (check_export_args, config_for, default_context, eager_module, eager_trace,
+                       finish_manifest, load_manifest, prompt_ids, save_inputs, staged)
 
 MAX_CHUNK = 512  # prefill chunk: longer prompts run in several chunks
 PACKAGES = ("oscar-export", "torch", "transformers", "coremltools")
@@ -62,16 +62,12 @@ def export_ios(model_name: str, out, rotations: str = "hadamard", max_context: i
     """Export `model_name` ('bundled' or a local checkpoint) to the artifact directory `out`; returns the manifest."""
     from ..hf_cache import _resolve_rotations
     from ..models import load_model, model_shape
-    from ..planner import parse_bytes, plan
+    from ..planner import plan
     from .coreml import MODEL_FILE, WEIGHT_BLOCK, cache_inputs, check_layout, convert
 
-    check_out(Path(out))
-    memory = parse_bytes(device_memory, "--device-memory")
-    if rotations == "online":
-        raise OscarInputError("--rotations online estimates rotations from each prompt and cannot be exported: "
-                              "expected hadamard, none or a rotation file (oscar-export calibrate)")
+    memory = check_export_args(out, rotations, device_memory)
     shape = model_shape(model_name)
-    max_context = max_context or min(4096, shape.max_position_embeddings or 4096)
+    max_context = default_context(shape, max_context)
     defaults = OscarConfig()
     check_layout(defaults.sink if config_fields.get("sink") is None else config_fields["sink"],
                  defaults.recent if config_fields.get("recent") is None else config_fields["recent"], max_context)

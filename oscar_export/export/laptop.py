@@ -16,8 +16,9 @@ import torch
 from onnx import numpy_helper
 
 from ..config import OscarInputError
-from .artifact import (check_out, config_for, eager_module, eager_trace, finish_manifest, load_manifest, prompt_ids,
-                       reference_tokens, save_inputs, staged)
+from .artifact import (check_export_args, config_for, default_context, eager_module, eager_trace,
+                       finish_manifest, load_manifest, prompt_ids, reference_tokens,
+                       save_inputs, staged)
 from .onnx_export import MODEL_FILE
 from .ort_runner import LIBRARY_FILE, RUNTIMES, OrtLM
 
@@ -35,18 +36,14 @@ def export_laptop(model_name: str, out, rotations: str = "hadamard", max_context
     from ..hf_cache import _resolve_rotations
     from ..models import load_model, model_shape
     from ..native import ort_library_path
-    from ..planner import parse_bytes, plan
+    from ..planner import plan
     from .graph import OscarCausalLM
     from .onnx_export import WEIGHT_BLOCK, export_onnx
 
-    check_out(Path(out))
-    memory = parse_bytes(device_memory, "--device-memory")
-    if rotations == "online":
-        raise OscarInputError("--rotations online estimates rotations from each prompt and cannot be exported: "
-                              "expected hadamard, none or a rotation file (oscar-export calibrate)")
+    memory = check_export_args(out, rotations, device_memory)
     model, tokenizer = load_model(model_name)
     shape = model_shape(model_name)
-    max_context = max_context or min(4096, shape.max_position_embeddings or 4096)
+    max_context = default_context(shape, max_context)
     max_chunk = min(MAX_CHUNK, max_context)
     resolved = _resolve_rotations(rotations, model)
     config = config_for(resolved, **config_fields)

@@ -8,7 +8,6 @@ plus its fp16 windows. Every buffer is bound once over numpy memory: nothing is 
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -17,7 +16,8 @@ from onnx import TensorProto, helper
 
 from ..cache import capacities
 from ..codec import packed_bytes
-from ..config import OscarConfig, OscarInputError
+from ..config import OscarConfig
+from .bench import check_bench_args
 from .graph import ATTRIBUTES, CACHE_NAMES
 from .onnx_export import DOMAIN, INPUTS, OP
 
@@ -62,15 +62,7 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
     """Median decode-step latency of both kernels at each context; speedup = baseline / oscar."""
     from ..native import ort_library_path
 
-    config = config or OscarConfig()
-    config.check_head_dim(head_dim)
-    if q_heads % kv_heads:
-        raise OscarInputError(f"q_heads={q_heads} is not a multiple of kv_heads={kv_heads}")
-    for context in contexts:
-        if context <= config.sink + config.recent:
-            raise OscarInputError(f"--context {context}: expected more than sink + recent = "
-                                  f"{config.sink + config.recent} tokens, so the packed body is used")
-    threads = threads or os.cpu_count()
+    config, threads = check_bench_args(contexts, q_heads, kv_heads, head_dim, config, threads)
     library = str(ort_library_path())
     rng = np.random.default_rng(0)
     scaling = float(np.float32(head_dim**-0.5))
