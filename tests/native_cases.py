@@ -83,25 +83,18 @@ def _levels(cache: OscarKVCache, config: OscarConfig) -> dict[str, np.ndarray]:
 
 
 def golden_case(name: str) -> Case:
-    """A golden vector case: prefill then decode steps, outputs mapped into rotated space."""
+    """A golden vector case: prefill then decode steps, on the stored rotated inputs the kernel consumes."""
     meta = INDEX["cases"][name]
     cfg = OscarConfig.from_dict(meta["config"])
     t = load_file(str(VECTORS / meta["file"]))
-    lloyd = cfg.codebook == "lloyd-max"
-    cache = OscarKVCache(cfg, 1, meta["kv_heads"], meta["head_dim"], meta["tokens"],
-                         t["cache.k_rotation"], t["cache.v_rotation"],
-                         t["cache.k_levels"] if lloyd else None, t["cache.v_levels"] if lloyd else None)
     bounds = [(0, meta["prefill"])] + [(i, i + 1) for i in range(meta["prefill"], meta["tokens"])]
-    outs = [t["cache.prefill_out"]] + [row.unsqueeze(1) for row in t["cache.decode_out"]]
-    # Each chunk is rotated on its own, exactly as OscarKVCache.attend rotated it.
-    chunks = [(cache.rotate("k", 0, t["cache.q"][:, a:b]).numpy(),
-               cache.rotate("k", 0, t["cache.k"][:, a:b]).half().numpy(),
-               cache.rotate("v", 0, t["cache.v"][:, a:b]).half().numpy()) for a, b in bounds]
-    # out = out_rot @ R_v^T with R_v orthogonal, so out_rot = out @ R_v.
-    outputs = [cache.rotate("v", 0, out).numpy() for out in outs]
+    chunks = [tuple(t[f"cache.{x}_rot"][:, a:b].numpy() for x in "qkv") for a, b in bounds]
+    outputs = [t["cache.prefill_out_rot"].numpy()] + [row.unsqueeze(1).numpy() for row in t["cache.decode_out_rot"]]
+    levels = {kind: (t[f"cache.{kind}_levels"][0].numpy() if cfg.codebook == "lloyd-max"
+                     else np.arange(2 ** cfg.bits(kind), dtype=np.float32)) for kind in KINDS}
     final = {f"{kind}_{region}": t[f"cache.final.{kind}.{region}"][0].numpy() for kind in KINDS for region in REGIONS}
     return Case(name, cfg, meta["q_heads"], meta["kv_heads"], meta["head_dim"], meta["tokens"],
-                _levels(cache, cfg), chunks, outputs, final)
+                levels, chunks, outputs, final)
 
 
 def _random_levels(rng: np.random.Generator, bits: int) -> torch.Tensor:

@@ -142,16 +142,17 @@ def test_quantize_pack_rejects_what_the_codec_rejects():
 def test_decode_attention_replays_golden_cache(name):
     meta, cfg, t = load_case(name)
     levels = {kind: t.get(f"cache.{kind}_levels") for kind in "kv"}
+    # The stored rotated inputs through an identity rotation: from the fp16 K/V on the format is normative.
     cache = OscarKVCache(cfg, meta["layers"], meta["kv_heads"], meta["head_dim"], meta["tokens"],
-                         t["cache.k_rotation"], t["cache.v_rotation"], levels["k"], levels["v"])
-    q, k, v, p = t["cache.q"], t["cache.k"], t["cache.v"], meta["prefill"]
+                         None, None, levels["k"], levels["v"])
+    q, k, v, p = t["cache.q_rot"], t["cache.k_rot"].float(), t["cache.v_rot"].float(), meta["prefill"]
     cache.attend(0, q[:, :p], k[:, :p], v[:, :p])
     # Alternate the storage path so both the reference append and triton_append are replayed.
     append = "triton" if CASES.index(name) % 2 else "reference"
     for step, pos in enumerate(range(p, meta["tokens"])):
         out = triton_decode_attend(cache, 0, q[:, pos : pos + 1], k[:, pos : pos + 1], v[:, pos : pos + 1],
                                    append=append)
-        want = t["cache.decode_out"][step]
+        want = t["cache.decode_out_rot"][step]
         assert out.shape == (meta["q_heads"], 1, meta["head_dim"]) and out.dtype == torch.float32
         err = float((out[:, 0] - want).abs().max() / want.abs().max())
         assert err < 2e-4, f"step {step} (position {pos}): max error {err:.2e} of the output magnitude"

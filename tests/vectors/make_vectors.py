@@ -1,7 +1,17 @@
-"""Write the golden vectors every backend is tested against (see docs/format.md, section 7).
+"""Write the golden vectors every backend is tested against (see docs/format.md, section 8).
 
-Run from the repo root: .venv/bin/python tests/vectors/make_vectors.py
-The output is deterministic; tests/test_vectors.py checks the committed files still match.
+Run from the repo root: .venv/bin/python tests/vectors/make_vectors.py [OUT_DIR] [--redraw]
+
+Every tensor has a role, recorded per case in index.json:
+- "input": drawn once from a seeded RNG (the originals, rotations, codec inputs) or computed once
+  in floating point (the rotated q/k/v each kernel consumes, the Lloyd-Max levels). Their last
+  bits depend on the CPU, so a rebuild never recomputes them: it reads them from the committed
+  files. Only a new case, or --redraw, draws and computes them afresh.
+- "normative": codes, scales, zeros and the cache state, a function of the inputs that every
+  machine and every backend reproduces bit for bit.
+- "float": attention outputs and dequantized values, which go through float sums or may fuse a
+  multiply-add; compared with a tolerance.
+So a rebuild on any machine gives the committed normative tensors exactly (tests/test_vectors.py).
 """
 
 from __future__ import annotations
@@ -12,7 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from oscar_export.cache import KINDS, OscarKVCache
 from oscar_export.codec import dequantize, fit_lloyd_max_levels, normalized_codes, quantize
@@ -21,6 +31,7 @@ from oscar_export.config import OscarConfig
 HERE = Path(__file__).parent
 LAYERS, Q_HEADS, KV_HEADS, TOKENS, PREFILL = 1, 4, 2, 29, 13
 SMALL_WINDOWS = dict(sink=4, recent=8)
+REGIONS = ("sink", "recent", "codes", "scale", "zero")
 
 # name -> (head_dim, per-KV-head rotations, config)
 CASES: dict[str, tuple[int, bool, OscarConfig]] = {
@@ -42,6 +53,14 @@ CASES: dict[str, tuple[int, bool, OscarConfig]] = {
     "b2_g128_d128": (128, False, OscarConfig(cluster_dim=128, **SMALL_WINDOWS)),
     "b2_g32_nowindows_fp32scale": (64, False, OscarConfig(cluster_dim=32, sink=0, recent=0, scale_dtype="float32")),
 }
+
+# The chunks of every case's sequence: one prefill, then single-token decode steps.
+CHUNKS = [(0, PREFILL)] + [(t, t + 1) for t in range(PREFILL, TOKENS)]
+ORIGINALS = ("cache.q", "cache.k", "cache.v", "cache.k_rotation", "cache.v_rotation", "codec.input")
+ROTATED = ("cache.q_rot", "cache.k_rot", "cache.v_rot")
+LEVELS = ("cache.k_levels", "cache.v_levels")
+FLOAT_OUTPUTS = ("codec.dequant", "cache.prefill_out", "cache.decode_out", "cache.prefill_out_rot",
+                 "cache.decode_out_rot")
 
 
 def random_orthogonal(gen: torch.Generator, *shape: int) -> torch.Tensor:
@@ -75,43 +94,90 @@ def codec_inputs(gen: torch.Generator, d: int, bits: int, cluster_dim: int) -> t
     return torch.cat(rows)
 
 
-def make_case(name: str, d: int, per_head: bool, cfg: OscarConfig, seed: int) -> tuple[dict, dict]:
+def draw_originals(d: int, per_head: bool, cfg: OscarConfig, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     rot_shape = (LAYERS, KV_HEADS, d) if per_head else (LAYERS, d)
     k_rot, v_rot = random_orthogonal(gen, *rot_shape), random_orthogonal(gen, *rot_shape)
-    q = activations(gen, Q_HEADS, d)
-    k = activations(gen, KV_HEADS, d)
-    v = activations(gen, KV_HEADS, d)
-    tensors = {"cache.q": q, "cache.k": k, "cache.v": v, "cache.k_rotation": k_rot, "cache.v_rotation": v_rot}
-
-    levels = {"k": None, "v": None}
-    if cfg.codebook == "lloyd-max":
-        probe = OscarKVCache(replace(cfg, codebook="uniform"), LAYERS, KV_HEADS, d, TOKENS, k_rot, v_rot)
-        for kind, x in (("k", k), ("v", v)):
-            u = normalized_codes(probe.rotate(kind, 0, x).to(torch.float16).float(), cfg.bits(kind),
-                                 cfg.cluster_dim, cfg.clip(kind), cfg.scale_dtype)
-            levels[kind] = fit_lloyd_max_levels(u, cfg.bits(kind)).unsqueeze(0)
-            tensors[f"cache.{kind}_levels"] = levels[kind]
-
+    q, k, v = activations(gen, Q_HEADS, d), activations(gen, KV_HEADS, d), activations(gen, KV_HEADS, d)
     x = codec_inputs(gen, d, cfg.k_bits, cfg.cluster_dim)
-    k_levels0 = None if levels["k"] is None else levels["k"][0]
-    packed = quantize(x, cfg.k_bits, cfg.cluster_dim, cfg.k_clip, k_levels0, cfg.scale_dtype)
-    tensors.update({
-        "codec.input": x,
-        "codec.codes": packed.codes,
-        "codec.scale": packed.scale,
-        "codec.zero": packed.zero,
-        "codec.dequant": dequantize(*packed, cfg.k_bits, cfg.cluster_dim, k_levels0),
-    })
+    return dict(zip(ORIGINALS, (q, k, v, k_rot, v_rot, x)))
 
-    cache = OscarKVCache(cfg, LAYERS, KV_HEADS, d, TOKENS, k_rot, v_rot, levels["k"], levels["v"])
-    tensors["cache.prefill_out"] = cache.attend(0, q[:, :PREFILL], k[:, :PREFILL], v[:, :PREFILL])
-    tensors["cache.decode_out"] = torch.stack(
-        [cache.attend(0, q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1])[:, 0] for t in range(PREFILL, TOKENS)]
-    )
+
+def rotate_originals(t: dict[str, torch.Tensor], cfg: OscarConfig, d: int) -> dict[str, torch.Tensor]:
+    """The rotated q (fp32) and k/v (fp16) a kernel consumes, chunk by chunk as OscarKVCache.attend rotates."""
+    # Only the rotations matter here; a uniform codebook needs no levels yet.
+    cache = OscarKVCache(replace(cfg, codebook="uniform"), LAYERS, KV_HEADS, d, TOKENS, t["cache.k_rotation"],
+                         t["cache.v_rotation"])
+    rotated = {key: [] for key in ROTATED}
+    for a, b in CHUNKS:
+        rotated["cache.q_rot"].append(cache.rotate("k", 0, t["cache.q"][:, a:b]))
+        rotated["cache.k_rot"].append(cache.rotate("k", 0, t["cache.k"][:, a:b]).half())
+        rotated["cache.v_rot"].append(cache.rotate("v", 0, t["cache.v"][:, a:b]).half())
+    return {key: torch.cat(parts, dim=1) for key, parts in rotated.items()}
+
+
+def fit_levels(t: dict[str, torch.Tensor], cfg: OscarConfig) -> dict[str, torch.Tensor]:
+    """Lloyd-Max levels [1, 2**bits] per kind, fitted on the rotated fp16 K/V with the uniform codec."""
+    out = {}
     for kind in KINDS:
-        for region in ("sink", "recent", "codes", "scale", "zero"):
-            tensors[f"cache.final.{kind}.{region}"] = getattr(cache, region)[kind]
+        u = normalized_codes(t[f"cache.{kind}_rot"].float(), cfg.bits(kind), cfg.cluster_dim, cfg.clip(kind),
+                             cfg.scale_dtype)
+        out[f"cache.{kind}_levels"] = fit_lloyd_max_levels(u, cfg.bits(kind)).unsqueeze(0)
+    return out
+
+
+def inputs(d: int, per_head: bool, cfg: OscarConfig, seed: int, kept: dict[str, torch.Tensor]) -> dict:
+    """The case's inputs: the kept (committed) ones, and any missing ones drawn or computed here."""
+    t = dict(kept)
+    if any(key not in t for key in ORIGINALS):
+        t.update(draw_originals(d, per_head, cfg, seed))
+    if any(key not in t for key in ROTATED):
+        t.update(rotate_originals(t, cfg, d))
+    if cfg.codebook == "lloyd-max" and any(key not in t for key in LEVELS):
+        t.update(fit_levels(t, cfg))
+    return t
+
+
+def outputs(t: dict[str, torch.Tensor], cfg: OscarConfig, d: int) -> dict[str, torch.Tensor]:
+    """Everything computed from the inputs: codec results, attention outputs, the final cache state."""
+    levels = {kind: t.get(f"cache.{kind}_levels") for kind in KINDS}
+    out = {}
+    k_levels0 = None if levels["k"] is None else levels["k"][0]
+    packed = quantize(t["codec.input"], cfg.k_bits, cfg.cluster_dim, cfg.k_clip, k_levels0, cfg.scale_dtype)
+    out.update({"codec.codes": packed.codes, "codec.scale": packed.scale, "codec.zero": packed.zero,
+                "codec.dequant": dequantize(*packed, cfg.k_bits, cfg.cluster_dim, k_levels0)})
+
+    # The kernel's view: the stored rotated inputs through an identity-rotation cache. From the
+    # fp16 K/V on everything is normative, so this is the state every backend must reach.
+    rotated = OscarKVCache(cfg, LAYERS, KV_HEADS, d, TOKENS, None, None, levels["k"], levels["v"])
+    outs = [rotated.attend(0, t["cache.q_rot"][:, a:b], t["cache.k_rot"][:, a:b].float(),
+                           t["cache.v_rot"][:, a:b].float()) for a, b in CHUNKS]
+    out["cache.prefill_out_rot"] = outs[0]
+    out["cache.decode_out_rot"] = torch.stack([o[:, 0] for o in outs[1:]])
+    for kind in KINDS:
+        for region in REGIONS:
+            out[f"cache.final.{kind}.{region}"] = getattr(rotated, region)[kind]
+
+    # End to end from the originals, in the model's space: float work, for end-to-end checks.
+    full = OscarKVCache(cfg, LAYERS, KV_HEADS, d, TOKENS, t["cache.k_rotation"], t["cache.v_rotation"],
+                        levels["k"], levels["v"])
+    outs = [full.attend(0, t["cache.q"][:, a:b], t["cache.k"][:, a:b], t["cache.v"][:, a:b]) for a, b in CHUNKS]
+    out["cache.prefill_out"] = outs[0]
+    out["cache.decode_out"] = torch.stack([o[:, 0] for o in outs[1:]])
+    return out
+
+
+def role(key: str) -> str:
+    if key in ORIGINALS or key in ROTATED or key in LEVELS:
+        return "input"
+    return "float" if key in FLOAT_OUTPUTS else "normative"
+
+
+def make_case(name: str, d: int, per_head: bool, cfg: OscarConfig, seed: int,
+              kept: dict[str, torch.Tensor]) -> tuple[dict, dict]:
+    t = inputs(d, per_head, cfg, seed, kept)
+    tensors = {key: t[key] for key in t if role(key) == "input"}
+    tensors.update(outputs(t, cfg, d))
     meta = {
         "file": f"{name}.safetensors",
         "config": cfg.to_dict(),
@@ -124,18 +190,28 @@ def make_case(name: str, d: int, per_head: bool, cfg: OscarConfig, seed: int) ->
         "rotation": "per_kv_head" if per_head else "per_layer",
         "codec_bits": cfg.k_bits,
         "codec_clip": cfg.k_clip,
+        "tensors": {key: role(key) for key in sorted(tensors)},
     }
-    return meta, {key: t.contiguous() for key, t in tensors.items()}
+    return meta, {key: x.contiguous() for key, x in tensors.items()}
 
 
-def build(out_dir: Path) -> None:
+def kept_inputs(source: Path | None, name: str) -> dict[str, torch.Tensor]:
+    path = None if source is None else source / f"{name}.safetensors"
+    if path is None or not path.exists():
+        return {}
+    return {key: x for key, x in load_file(str(path)).items() if role(key) == "input"}
+
+
+def build(out_dir: Path, inputs_from: Path | None = HERE) -> None:
+    """Write every case to out_dir, keeping the inputs found in inputs_from (None draws them all)."""
     index = {"format_version": 1, "cases": {}}
     for seed, (name, (d, per_head, cfg)) in enumerate(CASES.items()):
-        meta, tensors = make_case(name, d, per_head, cfg, seed)
+        meta, tensors = make_case(name, d, per_head, cfg, seed, kept_inputs(inputs_from, name))
         save_file(tensors, str(out_dir / meta["file"]))
         index["cases"][name] = meta
     (out_dir / "index.json").write_text(json.dumps(index, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
-    build(Path(sys.argv[1]) if len(sys.argv) > 1 else HERE)
+    args = [a for a in sys.argv[1:] if a != "--redraw"]
+    build(Path(args[0]) if args else HERE, None if "--redraw" in sys.argv[1:] else HERE)
