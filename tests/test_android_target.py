@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from model_checks import assert_within_bounds, body_mismatches
 from native_cases import same_bits
 
 pytest.importorskip("executorch.extension.pybindings.portable_lib")
@@ -92,26 +93,23 @@ def test_stock_runner_gives_the_reference_text(float_artifact, module, tokenizer
     assert len(got["tokens"]) == len(want) and all(g in (None, w) for g, w in zip(got["tokens"], want))
 
 
-def test_cache_after_prefill_equals_the_reference(float_artifact, reference, prompt):
-    """Layer 0's packed body is bit-exact. Deeper layers see K/V computed by XNNPACK's fp32 GEMMs, whose
-    summation order differs from torch's: a value within rounding of a quantization threshold may take the
-    neighbouring code, so there a tiny fraction may differ (counted and bounded, never hidden)."""
+def test_cache_after_prefill_matches_the_reference(float_artifact, reference, prompt):
+    """K/V come from XNNPACK's fp32 GEMMs, whose summation order differs from torch's: body mismatches
+    counted and bounded (docs/format.md, section 7), fp16 windows within their rounding."""
     lm = EtLM(float_artifact, threads=1)
     lm.prefill(prompt)
     got, want = lm.cache_arrays(), reference[1]
     body = PROMPT - WINDOWS["sink"] - WINDOWS["recent"]
-    counts = {}
+    pairs = []
     for layer in range(4):
         for name in CACHE_NAMES:
             have, ref = got[f"cache.{layer}.{name}"], want[f"layer{layer}.{name}"].numpy()
-            if name.endswith(("codes", "scale", "zero")):
-                have, ref = have[:, :body], ref[:, :body]
-                differ = int((have.view(np.uint8) != ref.view(np.uint8)).sum())
-                counts[f"{layer}.{name}"] = differ
-                assert differ == 0 if layer == 0 else differ <= 0.01 * have.nbytes, f"layer {layer} {name}: {differ}"
-            else:  # fp16 windows
+            kind, region = name.split("_", 1)
+            if region in ("codes", "scale", "zero"):
+                pairs.append((kind, region, have[:, :body], ref[:, :body]))
+            elif region in ("sink", "recent"):
                 assert np.allclose(have.astype(np.float32), ref.astype(np.float32), rtol=2**-10, atol=1e-3), name
-    print(f"differing body bytes per layer and buffer: {counts}")
+    assert_within_bounds(body_mismatches(pairs, {"k": CONFIG["k_bits"], "v": CONFIG["v_bits"]}), "executorch")
 
 
 def test_runner_metadata(float_artifact):

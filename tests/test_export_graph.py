@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from model_checks import assert_within_bounds, body_mismatches
 from native_cases import GOLDEN, golden_case, random_case, rel_err, same_bits
 from oscar_export import OscarConfig
 from oscar_export.config import OscarInputError
@@ -121,9 +122,13 @@ def test_folded_v_rotation_matches_the_unfolded_reference(bundled):
     with torch.no_grad():
         want = model(ids, cache=ref, use_cache=True).logits[0, -1]
     assert float((logits - want).abs().max() / want.abs().max()) < 1e-4
-    # K is rotated as the reference rotates it: its codes are bit-identical.
-    k_codes = torch.stack([cache[i * len(CACHE_NAMES) + CACHE_NAMES.index("k_codes")] for i in range(4)])
-    assert torch.equal(k_codes, ref.kv.codes["k"])
+    # K is rotated as the reference rotates it, but deeper layers see hidden states that went through the
+    # folded V projection, which rounds differently: body mismatches counted (docs/format.md, section 7).
+    body = ids.shape[1] - WINDOWS["sink"] - WINDOWS["recent"]
+    pairs = [(kind, region, cache[i * len(CACHE_NAMES) + CACHE_NAMES.index(f"{kind}_{region}")][:, :body].numpy(),
+              getattr(ref.kv, region)[kind][i, :, :body].numpy())
+             for kind in "kv" for region in ("codes", "scale", "zero") for i in range(4)]
+    assert_within_bounds(body_mismatches(pairs, {"k": 2, "v": 2}), "folded graph")
 
 
 def test_torch_export_with_a_dynamic_prefill_length(bundled):
