@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from .config import OscarInputError
-from .rotation_files import check_report, export_rotation_zoo, import_rotation_zoo, load_rotations, save_rotations
+from .rotation_files import (check_report, export_rotation_zoo, import_rotation_zoo, load_rotations, save_rotations,
+                             zoo_paths)
 
 out = Console()
 
@@ -21,13 +22,16 @@ def _layout(kv_heads: int | None) -> str:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     if args.to_zoo:
-        if args.source is None or args.out is not None:
-            raise OscarInputError("--to-zoo: expected --from FILE.safetensors --k K.pt --v V.pt and no --out")
+        paired = args.k is not None and args.v is not None
+        if args.source is None or paired == (args.out is not None) or (args.k is None) != (args.v is None):
+            raise OscarInputError("--to-zoo: expected --from FILE.safetensors and either --k K.pt --v V.pt "
+                                  "or --out DIR (the reference's file names)")
         rs = load_rotations(args.source)
-        export_rotation_zoo(rs, args.k, args.v)
-        written = f"{args.k} and {args.v}"
+        k_path, v_path = (args.k, args.v) if paired else zoo_paths(rs, args.out)
+        export_rotation_zoo(rs, k_path, v_path)
+        written = f"{k_path} and {v_path}"
     else:
-        if args.out is None or args.source is not None:
+        if args.k is None or args.v is None or args.out is None or args.source is not None:
             raise OscarInputError("convert: expected --k K.pt --v V.pt --out FILE.safetensors, or --from with --to-zoo")
         rs = import_rotation_zoo(args.k, args.v)
         save_rotations(args.out, rs)
@@ -63,10 +67,11 @@ def add_rotations_command(subparsers) -> None:
 
     c = sub.add_parser("convert", help="RotationZoo K/V .pt files <-> one OSCAR .safetensors file",
                        description="Import: --k K.pt --v V.pt --out FILE.safetensors. "
-                                   "Export: --from FILE.safetensors --to-zoo --k K.pt --v V.pt.")
-    c.add_argument("--k", type=Path, required=True, help="RotationZoo file of the K rotations")
-    c.add_argument("--v", type=Path, required=True, help="RotationZoo file of the V rotations")
-    c.add_argument("--out", type=Path, help="OSCAR rotation file to write (import)")
+                                   "Export: --from FILE.safetensors --to-zoo, then --k K.pt --v V.pt or --out DIR "
+                                   "(writes DIR/k_rotation_<K objective>.pt and DIR/v_rotation_<V objective>.pt).")
+    c.add_argument("--k", type=Path, help="RotationZoo file of the K rotations")
+    c.add_argument("--v", type=Path, help="RotationZoo file of the V rotations")
+    c.add_argument("--out", type=Path, help="OSCAR rotation file to write (import), or a directory for --to-zoo")
     c.add_argument("--from", dest="source", type=Path, help="OSCAR rotation file to read (export with --to-zoo)")
     c.add_argument("--to-zoo", action="store_true", help="write --k and --v RotationZoo files from --from")
     c.set_defaults(func=cmd_convert)

@@ -6,8 +6,9 @@ Our format is one safetensors file holding `k_rotation` and `v_rotation` (fp32
 `v_eigenvalues` (the rotation's leading shape without the last D). The header metadata holds
 `format_version` "1" and the set's metadata as JSON under `oscar`.
 
-RotationZoo files are pickled dicts, one for K and one for V:
-`{format_version, objective, source_grouping, layers: {layer_id: {rotation, eigenvalues}}}`,
+RotationZoo files are pickled dicts, one for K and one for V, each with its own objective:
+`{format_version, objective, source_grouping, layers: {layer_id: {layer_id, rotation, eigenvalues}}}`
+(layer ids int or str),
 rotation fp32 [d, d] (or [kv_heads, d, d] from format_version 2), eigenvalues [d] (or
 [kv_heads, d]). They are read with weights_only, so a pickle that carries code is refused
 without running it.
@@ -35,6 +36,8 @@ TENSOR_NAMES = ("k_rotation", "v_rotation", "k_levels", "v_levels", "k_eigenvalu
 ZOO_KEYS = ("format_version", "objective", "source_grouping", "layers")
 ZOO_LAYER_KEYS = ("rotation", "eigenvalues")
 ZOO_VERSIONS = (1, 2)
+# Our calibration (R = U.H.P_br, K on the query covariance, V score-weighted) in the reference's names.
+ZOO_OBJECTIVES = {"k": "qqt_h_pbr", "v": "sst_h_pbr"}
 
 
 @dataclass(eq=False)  # identity equality: field-wise == on tensors is ambiguous
@@ -275,6 +278,15 @@ def check_report(path) -> dict:
 # -- RotationZoo ---------------------------------------------------------------------------
 
 
+def _layer_id(key) -> int | None:
+    """A RotationZoo layer key: the reference's loader takes int or str ids ("3")."""
+    if type(key) is int:
+        return key
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    return None
+
+
 def _read_zoo(path) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """One RotationZoo file -> (its header fields, rotations [layers, ...], eigenvalues [layers, ...])."""
     path = _existing_file(path)
@@ -301,18 +313,25 @@ def _read_zoo(path) -> tuple[dict, torch.Tensor, torch.Tensor]:
     if not isinstance(layers, dict) or not layers:
         raise OscarInputError(f"{path}: 'layers' is {_describe(layers)}: expected a non-empty dict {{layer_id: entry}}")
     n = len(layers)
-    bad_ids = [i for i in layers if type(i) is not int or not 0 <= i < n]
-    if bad_ids:
-        raise OscarInputError(f"{path}: layer id {bad_ids[0]!r}: expected integer layer ids 0..{n - 1}, none missing")
+    by_id = {}
+    for key, entry in layers.items():
+        i = _layer_id(key)
+        if i is None or not 0 <= i < n:
+            raise OscarInputError(f"{path}: layer id {key!r}: expected layer ids 0..{n - 1} (int or str), none missing")
+        if i in by_id:
+            raise OscarInputError(f"{path}: layer {i} appears twice (as {i!r} and {str(i)!r}): expected one entry")
+        by_id[i] = entry
 
     rotations, eigenvalues = [], []
     for i in range(n):
-        entry = layers[i]
+        entry = by_id[i]
         if not isinstance(entry, dict):
             raise OscarInputError(f"{path}: layer {i} is {_describe(entry)}: expected a dict {list(ZOO_LAYER_KEYS)}")
         missing = [key for key in ZOO_LAYER_KEYS if key not in entry]
         if missing:
             raise OscarInputError(f"{path}: layer {i} is missing {missing}: expected keys {list(ZOO_LAYER_KEYS)}")
+        if "layer_id" in entry and _layer_id(entry["layer_id"]) != i:
+            raise OscarInputError(f"{path}: layer {i} has layer_id={entry['layer_id']!r}: expected {i}, its key")
         rot, values = entry["rotation"], entry["eigenvalues"]
         if (
             not isinstance(rot, torch.Tensor)
@@ -349,7 +368,11 @@ def _read_zoo(path) -> tuple[dict, torch.Tensor, torch.Tensor]:
 
 
 def import_rotation_zoo(k_path, v_path) -> RotationSet:
-    """Official RotationZoo K and V files -> RotationSet; their header fields are kept in the metadata."""
+    """Official RotationZoo K and V files -> RotationSet.
+
+    Each file keeps its own objective (the reference fits K on q q^T and V on s s^T, so a pair's
+    objectives differ: `qqt_h_pbr` and `sst_h_pbr`); format_version and source_grouping must agree.
+    """
     k_header, k, k_values = _read_zoo(k_path)
     v_header, v, v_values = _read_zoo(v_path)
     if k.shape != v.shape:
@@ -357,17 +380,17 @@ def import_rotation_zoo(k_path, v_path) -> RotationSet:
             f"{v_path}: {v.shape[0]} layers of {tuple(v.shape[1:])} rotations but {k_path} has "
             f"{k.shape[0]} layers of {tuple(k.shape[1:])}: expected K and V files of the same model"
         )
-    if k_header != v_header:
-        raise OscarInputError(
-            f"{v_path}: header {v_header} differs from {k_header} in {k_path}: expected one rotation set"
-        )
+    for key in ("format_version", "source_grouping"):
+        if k_header[key] != v_header[key]:
+            raise OscarInputError(f"{v_path}: {key}={v_header[key]!r} but {k_path} has {key}={k_header[key]!r}: "
+                                  f"expected the K and V files of one rotation set")
     metadata = {
         "model": None,
         "head_dim": k.shape[-1],
         "layers": k.shape[0],
         "kv_heads": k.shape[1] if k.dim() == 4 else None,
-        "objective": k_header["objective"],
-        "composition": None,
+        "k_objective": k_header["objective"],
+        "v_objective": v_header["objective"],
         "k_clip": None,
         "v_clip": None,
         "codebook": "uniform",
@@ -376,6 +399,38 @@ def import_rotation_zoo(k_path, v_path) -> RotationSet:
         "zoo_format_version": k_header["format_version"],
     }
     return RotationSet(k=k, v=v, metadata=metadata, k_eigenvalues=k_values, v_eigenvalues=v_values)
+
+
+def zoo_objective(rotation_set: RotationSet, kind: str) -> str | None:
+    """The RotationZoo objective of the K or V rotations, as the reference names it."""
+    meta = rotation_set.metadata
+    return meta.get(f"{kind}_objective", meta.get("objective"))
+
+
+def zoo_file_names(rotation_set: RotationSet) -> tuple[str, str]:
+    """The reference's file names for a pair, `{k,v}_rotation_{objective}.pt`."""
+    names = []
+    for kind in KINDS:
+        objective = zoo_objective(rotation_set, kind)
+        if not isinstance(objective, str) or not objective or not all(c.isalnum() or c in "_-." for c in objective):
+            raise OscarInputError(f"rotation set: {kind} objective {objective!r}: expected a name to put in the "
+                                  f"file name; give --k and --v file paths instead")
+        names.append(f"{kind}_rotation_{objective}.pt")
+    return names[0], names[1]
+
+
+def zoo_paths(rotation_set: RotationSet, directory) -> tuple[Path, Path]:
+    """The K and V paths in `directory` (created if missing) under the reference's file names."""
+    directory = Path(directory)
+    k_name, v_name = zoo_file_names(rotation_set)
+    if directory.exists() and not directory.is_dir():
+        raise OscarInputError(f"{directory}: is a file: expected a directory for the RotationZoo pair")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OscarInputError(f"{directory}: cannot create ({err.strerror or err}): expected a writable directory") \
+            from None
+    return directory / k_name, directory / v_name
 
 
 def export_rotation_zoo(rotation_set: RotationSet, k_path, v_path) -> None:
@@ -388,15 +443,13 @@ def export_rotation_zoo(rotation_set: RotationSet, k_path, v_path) -> None:
     if rs.k_eigenvalues is None or rs.v_eigenvalues is None:
         raise OscarInputError(f"{name}: no eigenvalues: expected K and V eigenvalues, as RotationZoo files carry")
     meta = rs.metadata
-    header = {
-        # Per-KV-head rotations need format_version 2; per-layer ones keep the version they came with.
-        "format_version": 2 if rs.per_head else meta.get("zoo_format_version", 1),
-        "objective": meta.get("objective"),
-        "source_grouping": meta.get("source_grouping"),
-    }
+    # Per-KV-head rotations need format_version 2; per-layer ones keep the version they came with.
+    version = 2 if rs.per_head else meta.get("zoo_format_version", 1)
     for kind, path in (("k", k_path), ("v", v_path)):
         rotation, values = getattr(rs, kind), getattr(rs, f"{kind}_eigenvalues")
         # Clones, so each layer is saved as its own tensor rather than a view into the whole stack.
-        data = {**header, "layers": {i: {"rotation": rotation[i].clone(), "eigenvalues": values[i].clone()}
-                                     for i in range(rs.layers)}}
+        data = {"format_version": version, "objective": zoo_objective(rs, kind),
+                "source_grouping": meta.get("source_grouping"),
+                "layers": {i: {"layer_id": i, "rotation": rotation[i].clone(), "eigenvalues": values[i].clone()}
+                           for i in range(rs.layers)}}
         _write_atomically(path, lambda temp: torch.save(data, temp))

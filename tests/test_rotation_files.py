@@ -19,6 +19,7 @@ from oscar_export.rotation_files import (
     load_rotations,
     max_orthogonality_error,
     save_rotations,
+    zoo_paths,
 )
 from oscar_export.rotations import hadamard_rotations
 
@@ -30,23 +31,31 @@ def orthogonal(seed, *lead):
     return q.contiguous()
 
 
-def zoo(seed=0, layers=LAYERS, heads=None, version=None):
-    """An official-schema RotationZoo dict: v1 per layer, v2 per KV head when heads is given."""
+# The reference's rotation script writes one file per target, {target}_rotation_{hessian}_{composition}.pt:
+# K fitted on q q^T, V on s s^T, each file with its own objective; data-free files say "hadamard".
+COMPOSITIONS = ("plain", "pbr", "br", "br_h128", "r_h", "h_pbr", "h_r_pbr", "h_pbr_r", "r_h_pbr")
+
+
+def zoo(seed=0, layers=LAYERS, heads=None, version=None, objective="qqt_h_pbr", str_keys=False):
+    """A RotationZoo dict as the reference writes it: v1 per layer, v2 per KV head when heads is given;
+    `layers` keyed by layer id, each entry repeating its layer_id."""
     lead = () if heads is None else (heads,)
     return {
         "format_version": version or (1 if heads is None else 2),
-        "objective": "oscar",
-        "source_grouping": "per_layer" if heads is None else "per_kv_head",
+        "objective": objective,
+        "source_grouping": "layer",
         "layers": {
-            i: {"rotation": orthogonal(seed + i, *lead), "eigenvalues": torch.rand(*lead, D)} for i in range(layers)
+            (str(i) if str_keys else i): {"layer_id": i, "rotation": orthogonal(seed + i, *lead),
+                                          "eigenvalues": torch.rand(*lead, D)}
+            for i in range(layers)
         },
     }
 
 
-def write_zoo_pair(tmp_path, **kw):
-    k, v = tmp_path / "K.pt", tmp_path / "V.pt"
-    torch.save(zoo(seed=0, **kw), k)
-    torch.save(zoo(seed=100, **kw), v)
+def write_zoo_pair(tmp_path, composition="h_pbr", **kw):
+    k, v = tmp_path / f"k_rotation_qqt_{composition}.pt", tmp_path / f"v_rotation_sst_{composition}.pt"
+    torch.save(zoo(seed=0, objective=f"qqt_{composition}", **kw), k)
+    torch.save(zoo(seed=100, objective=f"sst_{composition}", **kw), v)
     return k, v
 
 
@@ -58,38 +67,68 @@ def raw_file(path, tensors, metadata=None):
 
 
 def assert_same_zoo(a, b):
+    """Equal headers, the same layer ids, and every tensor equal in dtype and bytes."""
     assert {key: a[key] for key in a if key != "layers"} == {key: b[key] for key in b if key != "layers"}
-    assert list(a["layers"]) == list(b["layers"])
-    for i, entry in a["layers"].items():
+    assert [int(i) for i in a["layers"]] == [int(i) for i in b["layers"]]
+    for (i, entry), other in zip(a["layers"].items(), b["layers"].values()):
+        assert int(other["layer_id"]) == int(i)
         for key in ("rotation", "eigenvalues"):
-            assert torch.equal(entry[key], b["layers"][i][key])
-            assert entry[key].dtype == b["layers"][i][key].dtype
+            assert entry[key].dtype == other[key].dtype
+            assert entry[key].numpy().tobytes() == other[key].numpy().tobytes()
 
 
 # -- RotationZoo import / export ---------------------------------------------------------
 
 
+def round_trip(tmp_path, k_zoo, v_zoo, heads=None):
+    """zoo -> our file -> zoo in a directory under the reference's names; returns the imported set."""
+    rs = import_rotation_zoo(k_zoo, v_zoo)
+    ours = tmp_path / "rot.safetensors"
+    save_rotations(ours, rs)
+    back = load_rotations(ours, layers=LAYERS, head_dim=D, kv_heads=heads)
+    out = tmp_path / "zoo_again"
+    export_rotation_zoo(back, *zoo_paths(back, out))
+    for original in (k_zoo, v_zoo):
+        assert_same_zoo(torch.load(original, weights_only=True), torch.load(out / original.name, weights_only=True))
+    assert not list(tmp_path.rglob(".*.tmp"))
+    return rs
+
+
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+def test_qqt_sst_pair_of_every_composition_round_trips(tmp_path, composition):
+    k_zoo, v_zoo = write_zoo_pair(tmp_path, composition)
+    rs = round_trip(tmp_path, k_zoo, v_zoo)
+    assert rs.metadata["k_objective"] == f"qqt_{composition}" and rs.metadata["v_objective"] == f"sst_{composition}"
+    assert rs.metadata["source_grouping"] == "layer" and rs.metadata["zoo_format_version"] == 1
+
+
+@pytest.mark.parametrize("objective", ["hadamard", "uresidual"])
+def test_data_free_and_uresidual_pairs_round_trip(tmp_path, objective):
+    k, v = tmp_path / f"k_rotation_{objective}.pt", tmp_path / f"v_rotation_{objective}.pt"
+    torch.save(zoo(seed=0, objective=objective), k)
+    torch.save(zoo(seed=100, objective=objective), v)
+    rs = round_trip(tmp_path, k, v)
+    assert rs.metadata["k_objective"] == rs.metadata["v_objective"] == objective
+
+
 @pytest.mark.parametrize("heads", [None, HEADS])
 def test_zoo_import_then_export_is_exact(tmp_path, heads):
     k_zoo, v_zoo = write_zoo_pair(tmp_path, heads=heads)
-    rs = import_rotation_zoo(k_zoo, v_zoo)
+    rs = round_trip(tmp_path, k_zoo, v_zoo, heads)
     shape = (LAYERS, D, D) if heads is None else (LAYERS, heads, D, D)
     assert rs.k.shape == rs.v.shape == shape and rs.k.dtype == torch.float32
     assert (rs.layers, rs.head_dim, rs.per_head, rs.kv_heads) == (LAYERS, D, heads is not None, heads)
     assert rs.k_eigenvalues.shape == shape[:-1]
-    assert rs.metadata["objective"] == "oscar" and rs.metadata["zoo_format_version"] == (1 if heads is None else 2)
-    assert rs.metadata["source_grouping"] == ("per_layer" if heads is None else "per_kv_head")
+    assert rs.metadata["zoo_format_version"] == (1 if heads is None else 2)
+    assert torch.equal(rs.k[1], torch.load(k_zoo, weights_only=True)["layers"][1]["rotation"])
 
-    # zoo -> our file -> zoo, through the files
-    ours = tmp_path / "rot.safetensors"
-    save_rotations(ours, rs)
-    back = load_rotations(ours, layers=LAYERS, head_dim=D, kv_heads=heads)
-    export_rotation_zoo(back, tmp_path / "K2.pt", tmp_path / "V2.pt")
-    for name in ("K", "V"):
-        original = torch.load(tmp_path / f"{name}.pt", weights_only=True)
-        again = torch.load(tmp_path / f"{name}2.pt", weights_only=True)
-        assert_same_zoo(original, again)
-    assert not list(tmp_path.glob(".*.tmp"))
+
+def test_string_layer_keys_are_read_as_the_reference_loader_reads_them(tmp_path):
+    k, v = tmp_path / "K.pt", tmp_path / "V.pt"
+    torch.save(zoo(seed=0, str_keys=True), k)
+    torch.save(zoo(seed=100, objective="sst_h_pbr"), v)
+    rs = import_rotation_zoo(k, v)
+    assert torch.equal(rs.k[2], torch.load(k, weights_only=True)["layers"]["2"]["rotation"])
 
 
 def test_malicious_pickle_is_refused_without_running(tmp_path):
@@ -148,7 +187,9 @@ def nan_rotation(data):
         (bad_zoo(lambda d: d.pop("objective")), "missing keys ['objective']"),
         (bad_zoo(lambda d: d["layers"][1].pop("eigenvalues")), "layer 1 is missing ['eigenvalues']"),
         (bad_zoo(lambda d: d["layers"].__setitem__(5, d["layers"].pop(1))), "layer id 5"),
-        (bad_zoo(lambda d: d["layers"].__setitem__("1", d["layers"].pop(1))), "layer id '1'"),
+        (bad_zoo(lambda d: d["layers"].__setitem__("one", d["layers"].pop(1))), "layer id 'one'"),
+        (bad_zoo(lambda d: d["layers"].__setitem__("1", d["layers"][1])), "layer 1 appears twice"),
+        (set_layer(2, "layer_id", 0), "layer 2 has layer_id=0: expected 2"),
         (bad_zoo(lambda d: d.__setitem__("layers", {})), "'layers' is a dict"),
         (bad_zoo(lambda d: d.__setitem__("format_version", 3)), "format_version=3"),
         (bad_zoo(lambda d: d.__setitem__("objective", torch.ones(1))), "objective is a float32 tensor"),
@@ -181,9 +222,12 @@ def test_zoo_k_and_v_must_match(tmp_path):
     with pytest.raises(OscarInputError, match="V.pt: 3 layers of \\(2, 8, 8\\)"):
         import_rotation_zoo(k, v)
     other = zoo(layers=3)
-    other["objective"] = "hadamard"
+    other["source_grouping"] = "kv_head"
     torch.save(other, v)
-    with pytest.raises(OscarInputError, match="V.pt: header .* differs"):
+    with pytest.raises(OscarInputError, match="V.pt: source_grouping='kv_head' but .*K.pt has source_grouping='layer'"):
+        import_rotation_zoo(k, v)
+    torch.save(zoo(layers=3, version=2), v)
+    with pytest.raises(OscarInputError, match="V.pt: format_version=2 but .*K.pt has format_version=1"):
         import_rotation_zoo(k, v)
 
 
@@ -355,7 +399,8 @@ def test_cli_convert_check_and_back(tmp_path, capsys):
 
     assert rotations("check", str(ours), "--json") == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["per_head"] and report["kv_heads"] == HEADS and report["metadata"]["objective"] == "oscar"
+    assert report["per_head"] and report["kv_heads"] == HEADS
+    assert (report["metadata"]["k_objective"], report["metadata"]["v_objective"]) == ("qqt_h_pbr", "sst_h_pbr")
 
     assert rotations("check", str(ours)) == 0
     table = capsys.readouterr().out
@@ -366,6 +411,11 @@ def test_cli_convert_check_and_back(tmp_path, capsys):
     assert_same_zoo(torch.load(k, weights_only=True), torch.load(k2, weights_only=True))
     assert_same_zoo(torch.load(v, weights_only=True), torch.load(v2, weights_only=True))
 
+    # Into a directory: the reference's file names, from each file's own objective.
+    assert rotations("convert", "--from", str(ours), "--to-zoo", "--out", str(tmp_path / "zoo")) == 0
+    assert sorted(p.name for p in (tmp_path / "zoo").iterdir()) == [k.name, v.name]
+    assert_same_zoo(torch.load(k, weights_only=True), torch.load(tmp_path / "zoo" / k.name, weights_only=True))
+
 
 def test_cli_bad_input(tmp_path, capsys):
     k, v = write_zoo_pair(tmp_path)
@@ -373,6 +423,12 @@ def test_cli_bad_input(tmp_path, capsys):
         rotations("convert", "--to-zoo", "--k", str(k), "--v", str(v))
     with pytest.raises(OscarInputError, match="convert: expected --k K.pt --v V.pt --out"):
         rotations("convert", "--k", str(k), "--v", str(v))
+    ours = tmp_path / "rot.safetensors"
+    rotations("convert", "--k", str(k), "--v", str(v), "--out", str(ours))
+    with pytest.raises(OscarInputError, match="--to-zoo: expected --from FILE.safetensors and either"):
+        rotations("convert", "--from", str(ours), "--to-zoo", "--k", str(k), "--out", str(tmp_path))
+    with pytest.raises(OscarInputError, match="is a file: expected a directory"):
+        rotations("convert", "--from", str(ours), "--to-zoo", "--out", str(k))
     with pytest.raises(OscarInputError, match="missing.safetensors: not a file"):
         rotations("check", str(tmp_path / "missing.safetensors"))
     # nested parsers use the caller's parser class: one line, exit 2
