@@ -310,6 +310,12 @@ def main():
         shutil.rmtree(stage, ignore_errors=True)
         raise
     print(f"wrote {args.out} ({size / 1e6:.1f} MB)")
+    from oscar_export.calibrations import write_shipped_calibration
+    from oscar_export.models import BUNDLED_MODEL_DIR
+
+    if args.out.resolve() == BUNDLED_MODEL_DIR.resolve():
+        # The default export (--rotations calibrate) reuses this calibration instead of running one.
+        print(f"wrote {write_shipped_calibration()}")
 
 
 if __name__ == "__main__":

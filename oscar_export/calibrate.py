@@ -129,7 +129,8 @@ def clip_errors(
 def _tokens_from_text(tokenizer, text: str, tokens: int, name: str) -> torch.Tensor:
     ids = tokenizer(text, verbose=False)["input_ids"]
     if len(ids) < tokens:
-        raise OscarInputError(f"{name} has {len(ids)} tokens: expected at least {tokens} (--tokens plus held-out)")
+        raise OscarInputError(f"{name} has {len(ids)} tokens: expected at least {tokens} (calibration plus held-out "
+                              f"tokens): give a longer text or fewer tokens")
     return torch.tensor(ids[:tokens])
 
 

@@ -16,7 +16,8 @@ from rich.table import Table
 
 from . import __version__
 from .cli_rotations import add_rotations_command
-from .config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
+from .calibrations import DEFAULT_HELDOUT_TOKENS, DEFAULT_TOKENS
+from .config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError, default_cluster_dim
 from .targets import TARGETS, available
 
 # Runtime name -> Python distribution that provides it.
@@ -66,8 +67,9 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bits", type=int, choices=SUPPORTED_BITS, default=defaults.k_bits, help="bits per K and V code")
     g.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, help="bits per K code (overrides --bits)")
     g.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="bits per V code (overrides --bits)")
-    g.add_argument("--cluster-dim", type=int, choices=SUPPORTED_CLUSTER_DIMS, default=defaults.cluster_dim,
-                   help="quantization group along head_dim (default %(default)s)")
+    g.add_argument("--cluster-dim", type=int, choices=SUPPORTED_CLUSTER_DIMS,
+                   help=f"quantization group along head_dim (default {defaults.cluster_dim}, or the largest group "
+                        f"that divides the model's head_dim when {defaults.cluster_dim} does not)")
     g.add_argument("--k-clip", type=float,
                    help=f"fraction of each K group's range kept (default: a rotation file's, else {defaults.k_clip})")
     g.add_argument("--v-clip", type=float,
@@ -80,10 +82,15 @@ def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = 
     """The cache flags; clip ratios and codebook a calibrated rotation file carries apply unless overridden."""
     meta = rotation_metadata or {}
     defaults = OscarConfig()
+    cluster_dim = args.cluster_dim
+    if cluster_dim is None:
+        from .models import model_shape
+
+        cluster_dim = default_cluster_dim(model_shape(args.model).head_dim if getattr(args, "model", None) else None)
     return OscarConfig(
         k_bits=args.k_bits or args.bits,
         v_bits=args.v_bits or args.bits,
-        cluster_dim=args.cluster_dim,
+        cluster_dim=cluster_dim,
         k_clip=args.k_clip if args.k_clip is not None else meta.get("k_clip") or defaults.k_clip,
         v_clip=args.v_clip if args.v_clip is not None else meta.get("v_clip") or defaults.v_clip,
         codebook=meta.get("codebook") or defaults.codebook,
@@ -151,7 +158,32 @@ def _installed(dist: str) -> str | None:
         return None
 
 
+def cmd_artifact_info(directory: Path, as_json: bool) -> int:
+    """`info --artifact DIR`: what was exported, with what cache format, and how its rotations were made."""
+    from .export.artifact import load_manifest
+
+    manifest = load_manifest(directory)
+    info = {key: manifest.get(key) for key in ("target", "runtime", "model", "weights", "max_context", "config",
+                                               "rotations", "rotations_metadata")}
+    if as_json:
+        print(json.dumps(info, indent=2))
+        return 0
+    table = Table(title=f"Artifact {directory}")
+    table.add_column("item")
+    table.add_column("value")
+    for key in ("target", "runtime", "weights", "max_context", "rotations"):
+        table.add_row(key, str(info[key]))
+    table.add_row("model", str(info["model"]["source"]))
+    table.add_row("cache format", json.dumps(info["config"]))
+    for key, value in sorted((info["rotations_metadata"] or {}).items()):
+        table.add_row(f"rotations: {key}", json.dumps(value))
+    out.print(table)
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
+    if args.artifact is not None:
+        return cmd_artifact_info(args.artifact, args.json)
     from .models import BUNDLED_MODEL_DIR
     from .native import EXECUTORCH_LIBRARY, ORT_LIBRARY, ROOT
 
@@ -226,54 +258,39 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import resource
-    import time
 
-    from .calibrate import calibrate
+    from .calibrations import default_text, read_text, run_calibration
     from .models import load_model
-    from .report import DEFAULT_TEXT
-    from .rotation_files import RotationSet, save_rotations
+    from .rotation_files import export_rotation_zoo, save_rotations, zoo_paths
 
     config = config_from_args(args)
-    text_path = args.text or DEFAULT_TEXT
-    if not Path(text_path).is_file():
-        raise OscarInputError(f"text file {str(text_path)!r} does not exist: expected a UTF-8 text file")
-    start = time.perf_counter()
+    text_path = args.text or default_text()
+    read_text(text_path)  # a missing or non-UTF-8 text fails before the model loads
     model, tokenizer = load_model(args.model, offload_folder=args.offload_folder, max_memory=args.max_memory)
-    result = calibrate(model, tokenizer, Path(text_path).read_text(encoding="utf-8", errors="replace"), config,
-                       tokens=args.tokens, heldout_tokens=args.heldout_tokens, per_head=args.per_head,
-                       lloyd_max=args.lloyd_max, text_name=f"text file {str(text_path)!r}")
-    metadata = {
-        "model": args.model,
-        "objective": "oscar",
-        "composition": "U.H.P_br",
-        "k_clip": result["k_clip"],
-        "v_clip": result["v_clip"],
-        "codebook": "lloyd-max" if args.lloyd_max else "uniform",
-        "k_bits": config.k_bits,
-        "v_bits": config.v_bits,
-        "cluster_dim": config.cluster_dim,
-        "calibration_tokens": args.tokens,
-        "calibration_text": str(text_path),
-    }
-    rotation_set = RotationSet(
-        k=result["k_rotation"], v=result["v_rotation"], metadata=metadata,
-        k_levels=result.get("k_levels"), v_levels=result.get("v_levels"),
-        k_eigenvalues=result["k_eigenvalues"], v_eigenvalues=result["v_eigenvalues"],
-    )
+    rotation_set, seconds = run_calibration(args.model, config, text_path, args.tokens, args.heldout_tokens,
+                                            per_head=args.per_head, lloyd_max=args.lloyd_max, model=model,
+                                            tokenizer=tokenizer)
     save_rotations(args.out, rotation_set)
+    zoo = None
+    if args.zoo_out is not None:
+        zoo = zoo_paths(rotation_set, args.zoo_out)
+        export_rotation_zoo(rotation_set, *zoo)
     summary = {
         "out": str(args.out),
-        "layers": result["layers"],
-        "head_dim": result["head_dim"],
+        "zoo_out": None if zoo is None else [str(path) for path in zoo],
+        "layers": rotation_set.layers,
+        "head_dim": rotation_set.head_dim,
         "per_head": args.per_head,
-        "k_clip": result["k_clip"],
-        "v_clip": result["v_clip"],
-        "seconds": round(time.perf_counter() - start, 1),
+        "k_clip": rotation_set.metadata["k_clip"],
+        "v_clip": rotation_set.metadata["v_clip"],
+        "seconds": seconds,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
+        if zoo is not None:
+            out.print(f"wrote the RotationZoo pair {zoo[0]} and {zoo[1]}")
         out.print(f"wrote {summary['out']}: {summary['layers']} layers, head_dim {summary['head_dim']}, "
                   f"clip K {summary['k_clip']} V {summary['v_clip']}, {summary['seconds']} s, "
                   f"peak RSS {summary['peak_rss_bytes'] / 2**20:.0f} MiB")
@@ -295,6 +312,10 @@ def cmd_parity(args: argparse.Namespace) -> int:
     if torch.cuda.is_available():
         model = model.cuda()
     rotations, metadata = args.rotations, None
+    if rotations == "calibrate":
+        from .calibrations import calibrated_rotations
+
+        rotations = calibrated_rotations(args.model, config_from_args(args))[0]
     if rotations not in ("hadamard", "online", "none"):
         from .rotation_files import load_rotations
 
@@ -342,7 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("info", help="what is installed and which runtimes are available",
-                       description="Installed runtimes, native op libraries and the bundled model.")
+                       description="Installed runtimes, native op libraries and the bundled model; with "
+                                   "--artifact, what an exported artifact holds and how its rotations were made.")
+    p.add_argument("--artifact", type=Path, help="an exported artifact directory to describe")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_info)
 
@@ -363,9 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="bundled", help="'bundled' or a local HF checkpoint directory")
     p.add_argument("--out", required=True, type=Path, help="rotation file to write (.safetensors)")
     p.add_argument("--text", type=Path, help="UTF-8 calibration text (default: the bundled held-out text)")
-    p.add_argument("--tokens", type=positive_int, default=16384, help="calibration tokens (default %(default)s)")
-    p.add_argument("--heldout-tokens", type=positive_int, default=512,
+    p.add_argument("--tokens", type=positive_int, default=DEFAULT_TOKENS,
+                   help="calibration tokens (default %(default)s)")
+    p.add_argument("--heldout-tokens", type=positive_int, default=DEFAULT_HELDOUT_TOKENS,
                    help="further tokens for the clip search and Lloyd-Max fit (default %(default)s)")
+    p.add_argument("--zoo-out", type=Path, help="also write the official RotationZoo K/V pair into this directory "
+                                                "(k_rotation_qqt_h_pbr.pt, v_rotation_sst_h_pbr.pt)")
     p.add_argument("--per-head", action="store_true", help="one rotation per (layer, KV head) (format v2)")
     p.add_argument("--lloyd-max", action="store_true", help="fit Lloyd-Max levels per layer for K and V")
     p.add_argument("--offload-folder", type=Path, help="offload weights that do not fit in memory to this folder")
@@ -383,7 +409,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-tokens", type=positive_int, default=400, help="prompt length (default %(default)s)")
     p.add_argument("--steps", type=positive_int, default=16, help="greedy steps (default %(default)s)")
     p.add_argument("--rotations", default="hadamard",
-                   help="hadamard, online, none, or a rotation file (default %(default)s)")
+                   help="hadamard, online, none, calibrate (a cached calibration, as export makes) or a rotation "
+                        "file (default %(default)s)")
     p.add_argument("--artifact", type=Path,
                    help="an exported artifact: compare its runtimes with the eager graph instead "
                         "(--model, --rotations and the cache flags then come from its manifest)")

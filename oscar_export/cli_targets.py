@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from .cli import _Parser, add_cache_flags, positive_int
+from .calibrations import DEFAULT_TOKENS
 from .config import OscarInputError
 from .targets import TARGETS, available, bench_runtimes, cli_module, recipe, run_runtimes
 
@@ -35,7 +36,13 @@ def export_parser(target: str, description: str, float_weights_help: str, device
     p = _Parser(prog=f"oscar-export --target {target}", description=description)
     p.add_argument("--target", choices=(target,), required=True)
     p.add_argument("--model", default="bundled", help="'bundled' or a local Hugging Face checkpoint directory")
-    p.add_argument("--rotations", default="hadamard", help="a rotation file, hadamard or none (default %(default)s)")
+    p.add_argument("--rotations", default="calibrate",
+                   help="calibrate (OSCAR rotations and clips fitted on --calibration-text, cached), a rotation "
+                        "file, hadamard (data-free) or none (default %(default)s)")
+    p.add_argument("--calibration-text", type=Path,
+                   help="UTF-8 text for --rotations calibrate (default: the bundled public-domain text)")
+    p.add_argument("--calibration-tokens", type=positive_int, default=DEFAULT_TOKENS,
+                   help="tokens for --rotations calibrate (default %(default)s)")
     p.add_argument("--context", type=positive_int,
                    help="max tokens of the cache (default: the model's max_position_embeddings, at most 4096)")
     p.add_argument("--out", type=Path, default=Path(recipe(target)["default_out"]),
@@ -52,7 +59,8 @@ def run_export(target: str, args: argparse.Namespace, export, summary: str = "")
     """Call export(model, out, rotations=..., max_context=..., float_weights=..., device_memory=..., **cache
     fields) and print the manifest (--json) or one line; bad input is a one-line error."""
     try:
-        manifest = export(args.model, args.out, rotations=args.rotations, max_context=args.context,
+        rotations, calibration = export_rotations(args)
+        manifest = export(args.model, args.out, rotations=rotations, max_context=args.context,
                           float_weights=args.float_weights, device_memory=args.device_memory,
                           k_bits=args.k_bits or args.bits, v_bits=args.v_bits or args.bits,
                           cluster_dim=args.cluster_dim, k_clip=args.k_clip, v_clip=args.v_clip, sink=args.sink,
@@ -65,8 +73,24 @@ def run_export(target: str, args: argparse.Namespace, export, summary: str = "")
     else:
         total = sum(f["bytes"] for f in manifest["files"].values())
         print(f"wrote {args.out}: {len(manifest['files'])} files, {total / 2**20:.1f} MiB, weights "
-              f"{manifest['weights']}, context {manifest['max_context']}{summary.format(**manifest)}")
+              f"{manifest['weights']}, context {manifest['max_context']}, rotations {calibration}"
+              f"{summary.format(**manifest)}")
     return 0
+
+
+def export_rotations(args: argparse.Namespace) -> tuple[object, str]:
+    """--rotations as the export takes it, and a few words on where it came from. `calibrate` is a cached
+    calibration for the model, text and cache format (calibrations.calibrated_rotations)."""
+    if args.rotations != "calibrate":
+        if args.calibration_text is not None:
+            raise OscarInputError(f"--calibration-text is for --rotations calibrate, not {args.rotations!r}")
+        return args.rotations, args.rotations
+    from .calibrations import calibrated_rotations
+    from .cli import config_from_args
+
+    config = config_from_args(args)
+    path, reused = calibrated_rotations(args.model, config, args.calibration_text, args.calibration_tokens)
+    return path, "calibrated (reused)" if reused else "calibrated"
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -99,3 +99,13 @@ class OscarConfig:
     def reference_recipe(cls, cluster_dim: int = 128) -> "OscarConfig":
         """The paper's recipe: 2-bit K/V, clip K 0.96 and V 0.92, 64 sink, 256 recent."""
         return cls(cluster_dim=cluster_dim, k_clip=0.96, v_clip=0.92)
+
+
+def default_cluster_dim(head_dim: int | None) -> int:
+    """The group used when none is asked for: 64 where it divides head_dim (the recommended group), else the
+    largest supported group that does (32 for head_dim 32 or 96)."""
+    fitting = [c for c in SUPPORTED_CLUSTER_DIMS if head_dim and head_dim % c == 0]
+    preferred = OscarConfig.cluster_dim
+    if head_dim is None or preferred in fitting or not fitting:
+        return preferred
+    return max(fitting)

@@ -1,5 +1,14 @@
 import os
 
+import pytest
+
 # Triton kernels run through the interpreter on machines without a GPU; the flag must be set
 # before anything imports triton.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def calibration_cache(tmp_path_factory):
+    """Calibrations made by the tests (--rotations calibrate with non-default flags) stay out of the user's cache;
+    subprocesses inherit the variable."""
+    os.environ["OSCAR_EXPORT_CACHE"] = str(tmp_path_factory.mktemp("calibrations"))

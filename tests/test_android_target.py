@@ -193,6 +193,10 @@ def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, capsys):
     manifest = json.loads((out / "manifest.json").read_text())
     assert r.stdout.strip().endswith("}") and manifest["files"]["model.pte"]["sha256"] in r.stdout, r.stdout[:2000]
     assert manifest["target"] == "android" and manifest["config"]["sink"] == 16
+    # The default rotations are OSCAR's, calibrated (here reused from the bundled model's shipped file).
+    calibration = manifest["rotations_metadata"]
+    assert manifest["rotations"] == "rotations.safetensors" and calibration["method"] == "calibrate"
+    assert manifest["config"]["k_clip"] == calibration["k_clip"] and manifest["config"]["v_clip"] == calibration["v_clip"]
     for name, meta in manifest["files"].items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == meta["sha256"], name
     assert {MODEL_FILE, LIBRARY_FILE, "tokenizer.json", "native/CMakeLists.txt", "native/core/oscar_core.h",

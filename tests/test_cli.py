@@ -82,3 +82,65 @@ def test_calibrate_writes_a_checked_rotation_file(tmp_path):
     report = json.loads(r.stdout)
     assert report["head_dim"] == 64 and report["max_orthogonality_error"] < 1e-5
     assert report["metadata"]["codebook"] == "lloyd-max"
+
+
+@pytest.fixture(scope="module")
+def head_dim_32_checkpoint(tmp_path_factory):
+    """A Llama checkpoint with head_dim 32 (hidden 256, 8 heads): only cluster_dim 32 tiles it."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from oscar_export.models import BUNDLED_MODEL_DIR
+
+    out = tmp_path_factory.mktemp("head_dim_32")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                      intermediate_size=512, vocab_size=4096, max_position_embeddings=512)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the bundled tokenizer fits vocab 4096
+        shutil.copy(BUNDLED_MODEL_DIR / name, out / name)
+    return out
+
+
+def test_head_dim_32_calibrates_and_plans_with_no_flag(head_dim_32_checkpoint, tmp_path):
+    model = str(head_dim_32_checkpoint)
+    r = run("plan", "--model", model, "--context", "512", "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["config"]["cluster_dim"] == 32
+    rot = tmp_path / "rot.safetensors"
+    r = run("calibrate", "--model", model, "--out", str(rot), "--tokens", "512", "--heldout-tokens", "128",
+            "--zoo-out", str(tmp_path / "zoo"), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "zoo").iterdir()) == ["k_rotation_qqt_h_pbr.pt",
+                                                                   "v_rotation_sst_h_pbr.pt"]
+    r = run("rotations", "check", str(rot), "--json")
+    meta = json.loads(r.stdout)["metadata"]
+    assert meta["cluster_dim"] == 32 and meta["head_dim"] == 32
+    # The official pair converts back to the same rotations.
+    again = tmp_path / "again.safetensors"
+    r = run("rotations", "convert", "--k", str(tmp_path / "zoo" / "k_rotation_qqt_h_pbr.pt"),
+            "--v", str(tmp_path / "zoo" / "v_rotation_sst_h_pbr.pt"), "--out", str(again))
+    assert r.returncode == 0, r.stderr[-2000:]
+    import torch
+
+    from oscar_export.rotation_files import load_rotations
+
+    assert torch.equal(load_rotations(again).k, load_rotations(rot).k)
+
+
+def native_available() -> bool:
+    import shutil
+
+    from oscar_export.native import ort_include_dir
+
+    return shutil.which("cmake") is not None and shutil.which("g++") is not None and ort_include_dir()[0] is not None
+
+
+@pytest.mark.skipif("not native_available()", reason="the laptop export needs cmake, g++ and ONNX Runtime headers")
+def test_head_dim_32_exports_with_no_flag(head_dim_32_checkpoint, tmp_path):
+    r = run("--target", "laptop", "--model", str(head_dim_32_checkpoint), "--context", "256", "--float-weights",
+            "--out", str(tmp_path / "artifact"), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["config"]["cluster_dim"] == 32

@@ -248,6 +248,10 @@ def test_cache_bits_per_element_at_32k():
 def test_manifest_and_files(artifact):
     manifest = json.loads((artifact / "manifest.json").read_text())
     assert manifest["target"] == "ios" and manifest["max_context"] == CONTEXT
+    # The default rotations are OSCAR's, calibrated (here reused from the bundled model's shipped file).
+    calibration = manifest["rotations_metadata"]
+    assert manifest["rotations"] == "rotations.safetensors" and calibration["method"] == "calibrate"
+    assert manifest["config"]["k_clip"] == calibration["k_clip"] and manifest["config"]["v_clip"] == calibration["v_clip"]
     names = {io["name"]: io for io in manifest["io"]["inputs"]}
     assert names["layer3_v_codes"] == {"name": "layer3_v_codes", "shape": [2, CONTEXT - 320, 4], "dtype": "int32"}
     assert names["layer0_k_sink"]["dtype"] == "float16"

@@ -191,6 +191,10 @@ def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, capsys):
     assert r.returncode == 0, r.stderr
     manifest = json.loads(r.stdout)
     assert manifest["target"] == "laptop" and manifest["config"]["sink"] == 16 and manifest["plan"]["kv_bytes"] > 0
+    # The default rotations are OSCAR's, calibrated (here reused from the bundled model's shipped file).
+    calibration = manifest["rotations_metadata"]
+    assert manifest["rotations"] == "rotations.safetensors" and calibration["method"] == "calibrate"
+    assert manifest["config"]["k_clip"] == calibration["k_clip"] and manifest["config"]["v_clip"] == calibration["v_clip"]
     for name, meta in manifest["files"].items():
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == meta["sha256"], name
     assert {"model.onnx", "model.onnx.data", "model_fallback.onnx", "liboscar_ort.so", "tokenizer.json"} <= set(
@@ -244,3 +248,4 @@ def test_bench_attention_json(capsys):
     for x in results:
         assert x["oscar_ms"] > 0 and x["baseline_ms"] > 0
         assert x["speedup"] == pytest.approx(x["baseline_ms"] / x["oscar_ms"], rel=1e-2)
+

@@ -152,7 +152,7 @@ def export_android(model_name: str, out, rotations: str = "hadamard", max_contex
     max_context = default_context(shape, max_context)
     max_chunk = min(MAX_CHUNK, max_context)
     resolved = _resolve_rotations(rotations, model)
-    config = config_for(resolved, **config_fields)
+    config = config_for(resolved, shape.head_dim, **config_fields)
     library = executorch_library_path()  # fail before minutes of lowering when the kernel cannot be built
     lm = OscarCausalLM(model, config, resolved).eval()
     if not float_weights:

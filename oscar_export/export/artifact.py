@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import OscarConfig, OscarInputError
+from ..config import OscarConfig, OscarInputError, default_cluster_dim
+from ..rotation_files import load_rotations
 
 MANIFEST = "manifest.json"
 ROTATION_FILE = "rotations.safetensors"
@@ -28,8 +29,11 @@ def manifest_format(target: str) -> str:
     return f"oscar-export/{target}/1"
 
 
-def config_for(rotations, **fields) -> OscarConfig:
-    """OscarConfig from the given fields; a rotation file's clip ratios and codebook fill in the rest."""
+def config_for(rotations, head_dim: int | None = None, **fields) -> OscarConfig:
+    """OscarConfig from the given fields; a rotation file's clip ratios and codebook fill in the rest, and
+    an unset cluster_dim is the default group for head_dim."""
+    if fields.get("cluster_dim") is None:
+        fields["cluster_dim"] = default_cluster_dim(head_dim)
     meta = getattr(rotations, "metadata", {})
     for key in ("k_clip", "v_clip", "codebook"):
         if fields.get(key) is None and meta.get(key) is not None:
@@ -123,6 +127,9 @@ def finish_manifest(temp: Path, target: str, runtime: str, model_name: str, mode
                   "model_type": model.config.model_type, "layers": shape.layers, "q_heads": shape.q_heads,
                   "kv_heads": shape.kv_heads, "head_dim": shape.head_dim, "vocab": shape.vocab},
         "rotations": rotations,
+        # How the rotations were made (method, text and its hash, tokens, clips, time), from the file itself.
+        "rotations_metadata": (load_rotations(Path(temp) / ROTATION_FILE).metadata if rotations == ROTATION_FILE
+                               else {"method": rotations}),
         "config": config.to_dict(),
         "max_context": max_context,
         "max_chunk": max_chunk,

@@ -74,7 +74,7 @@ def export_ios(model_name: str, out, rotations: str = "hadamard", max_context: i
     model, tokenizer = load_model(model_name)
     max_chunk = min(MAX_CHUNK, max_context)
     resolved = _resolve_rotations(rotations, model)
-    config = config_for(resolved, **config_fields)
+    config = config_for(resolved, shape.head_dim, **config_fields)
     module = build_module(model, config, resolved)
     mlmodel = convert(module, max_context, max_chunk, float_weights)
     with staged(out) as temp:

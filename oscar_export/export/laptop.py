@@ -46,7 +46,7 @@ def export_laptop(model_name: str, out, rotations: str = "hadamard", max_context
     max_context = default_context(shape, max_context)
     max_chunk = min(MAX_CHUNK, max_context)
     resolved = _resolve_rotations(rotations, model)
-    config = config_for(resolved, **config_fields)
+    config = config_for(resolved, shape.head_dim, **config_fields)
     module = OscarCausalLM(model, config, resolved).eval()
     with staged(out) as temp:
         export_onnx(module, temp, max_context, max_chunk, float_weights)

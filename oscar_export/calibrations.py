@@ -1,0 +1,179 @@
+"""Calibrated rotations on demand: `--rotations calibrate`, cached by what made them.
+
+A calibration depends on the model's files, the calibration text, the token counts and the
+cache format it is searched for (bits and group: the clip search tries them); sink and recent
+windows do not enter it. Those go into a key; a calibration with that key is reused from the
+cache directory (`$OSCAR_EXPORT_CACHE`, else `$XDG_CACHE_HOME/oscar-export`, else
+`~/.cache/oscar-export`), or from the file the bundled model ships, so set-up and tests do not
+pay for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .config import OscarConfig, OscarInputError
+
+# Calibration text and token counts of `--rotations calibrate`; `calibrate` the command takes the same.
+DEFAULT_TOKENS = 16384
+DEFAULT_HELDOUT_TOKENS = 512
+SHIPPED_FILE = "calibration.safetensors"  # beside the bundled model's weights
+MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".gguf", ".model", ".txt")
+
+
+def default_text() -> Path:
+    from .report import DEFAULT_TEXT
+
+    return DEFAULT_TEXT
+
+
+def read_text(path) -> tuple[str, str]:
+    """A calibration text and its sha256; not UTF-8 or missing is an input error naming the file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise OscarInputError(f"calibration text {str(path)!r}: cannot read ({err.strerror or err}): "
+                              f"expected a UTF-8 text file") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise OscarInputError(f"calibration text {str(path)!r} is not UTF-8 (byte {err.start}): "
+                              f"expected a UTF-8 text file") from None
+    return text, hashlib.sha256(raw).hexdigest()
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def model_digest(model_name: str) -> str:
+    """sha256 over the checkpoint's files (config, weights, tokenizer), each by name and content."""
+    from .models import model_dir
+
+    directory = model_dir(model_name)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in MODEL_FILE_SUFFIXES
+                       and p.name != SHIPPED_FILE):
+        digest.update(f"{path.name}\0{_file_digest(path)}\0".encode())
+    return digest.hexdigest()
+
+
+def cache_key(model_name: str, text_sha256: str, tokens: int, heldout_tokens: int, config: OscarConfig) -> str:
+    fields = {"model": model_digest(model_name), "text": text_sha256, "tokens": tokens, "heldout": heldout_tokens,
+              "k_bits": config.k_bits, "v_bits": config.v_bits, "cluster_dim": config.cluster_dim,
+              "scale_dtype": config.scale_dtype, "method": "oscar U.H.P_br"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def cache_dir() -> Path:
+    if os.environ.get("OSCAR_EXPORT_CACHE"):
+        return Path(os.environ["OSCAR_EXPORT_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "oscar-export"
+
+
+def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int, heldout_tokens: int,
+                    per_head: bool = False, lloyd_max: bool = False, model=None, tokenizer=None):
+    """Calibrate and return (RotationSet, seconds); the metadata says how the rotations were made."""
+    from .calibrate import calibrate
+    from .models import load_model
+    from .rotation_files import ZOO_OBJECTIVES, RotationSet
+
+    text, text_sha256 = read_text(text_path)
+    start = time.perf_counter()
+    if model is None:
+        model, tokenizer = load_model(model_name)
+    result = calibrate(model, tokenizer, text, config, tokens=tokens, heldout_tokens=heldout_tokens,
+                       per_head=per_head, lloyd_max=lloyd_max, text_name=f"calibration text {str(text_path)!r}")
+    seconds = round(time.perf_counter() - start, 1)
+    metadata = {
+        "model": model_name,
+        "method": "calibrate",
+        "objective": "oscar",
+        "composition": "U.H.P_br",
+        # The reference's names: K fitted on q q^T, V on s s^T, composed as U then H then P_br (h_pbr).
+        "k_objective": ZOO_OBJECTIVES["k"],
+        "v_objective": ZOO_OBJECTIVES["v"],
+        "source_grouping": "layer",
+        "k_clip": result["k_clip"],
+        "v_clip": result["v_clip"],
+        "codebook": "lloyd-max" if lloyd_max else "uniform",
+        "k_bits": config.k_bits,
+        "v_bits": config.v_bits,
+        "cluster_dim": config.cluster_dim,
+        "calibration_tokens": tokens,
+        "heldout_tokens": heldout_tokens,
+        "calibration_text": str(text_path),
+        "calibration_text_sha256": text_sha256,
+        "seconds": seconds,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    rotation_set = RotationSet(
+        k=result["k_rotation"], v=result["v_rotation"], metadata=metadata,
+        k_levels=result.get("k_levels"), v_levels=result.get("v_levels"),
+        k_eigenvalues=result["k_eigenvalues"], v_eigenvalues=result["v_eigenvalues"],
+    )
+    return rotation_set, seconds
+
+
+def calibrated_rotations(model_name: str, config: OscarConfig, text_path=None, tokens: int = DEFAULT_TOKENS,
+                         heldout_tokens: int = DEFAULT_HELDOUT_TOKENS) -> tuple[Path, bool]:
+    """A rotation file calibrated for this model, text and format: (path, reused). Calibrates on a miss."""
+    from .models import BUNDLED_MODEL_DIR
+    from .rotation_files import load_rotations, save_rotations
+
+    text_path = Path(text_path) if text_path is not None else default_text()
+    _, text_sha256 = read_text(text_path)
+    key = cache_key(model_name, text_sha256, tokens, heldout_tokens, config)
+    candidates = [cache_dir() / f"{key[:32]}.safetensors"]
+    if model_name == "bundled":
+        candidates.insert(0, BUNDLED_MODEL_DIR / SHIPPED_FILE)
+    for path in candidates:
+        try:
+            if path.is_file() and load_rotations(path).metadata.get("cache_key") == key:
+                return path, True
+        except OscarInputError:  # a damaged cache entry is calibrated again and replaced
+            pass
+    rotation_set, _ = run_calibration(model_name, config, text_path, tokens, heldout_tokens)
+    rotation_set.metadata["cache_key"] = key
+    path = candidates[-1]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OscarInputError(f"calibration cache {str(path.parent)!r}: cannot create ({err.strerror or err}): "
+                              f"expected a writable directory (set OSCAR_EXPORT_CACHE)") from None
+    save_rotations(path, rotation_set)
+    return path, False
+
+
+def write_shipped_calibration() -> Path:
+    """Calibrate the bundled model for the default export (2-bit, its default group) and store the file beside
+    its weights, keyed like the cache, so the default export reuses it. The training script calls this."""
+    from .config import default_cluster_dim
+    from .models import BUNDLED_MODEL_DIR, model_shape
+    from .rotation_files import save_rotations
+
+    config = OscarConfig(cluster_dim=default_cluster_dim(model_shape("bundled").head_dim))
+    text_path = default_text()
+    _, text_sha256 = read_text(text_path)
+    rotation_set, _ = run_calibration("bundled", config, text_path, DEFAULT_TOKENS, DEFAULT_HELDOUT_TOKENS)
+    rotation_set.metadata["cache_key"] = cache_key("bundled", text_sha256, DEFAULT_TOKENS, DEFAULT_HELDOUT_TOKENS,
+                                                   config)
+    rotation_set.metadata["calibration_text"] = "bundled heldout.txt"  # not this machine's path
+    path = BUNDLED_MODEL_DIR / SHIPPED_FILE
+    save_rotations(path, rotation_set)
+    return path
+
+
+if __name__ == "__main__":
+    print(f"wrote {write_shipped_calibration()}")
