@@ -21,6 +21,7 @@ from oscar_export.config import OscarConfig, OscarInputError  # noqa: E402
 from oscar_export.export import coreml  # noqa: E402
 from oscar_export.export import coreml_ops  # noqa: E402
 from oscar_export.export.coreml_ops import ROW_NAMES, apply_rows, attention_rows  # noqa: E402
+from oscar_export.export.artifact import eager_module, load_manifest  # noqa: E402
 from oscar_export.export.coreml_runner import CoreMLLM, coreml_available, load  # noqa: E402
 from oscar_export.export.graph import CACHE_NAMES, OscarCausalLM  # noqa: E402
 from oscar_export.export.ios import cache_bits_per_element, reference_trace  # noqa: E402
@@ -200,8 +201,8 @@ def test_4bit_weights_shrink_the_package_and_still_match_their_eager_graph(artif
     print(f".mlpackage: fp16 weights {float_size / 2**20:.2f} MiB, 4-bit {int4_size / 2**20:.2f} MiB")
     assert int4_size < 0.35 * float_size  # 4 bits + an fp16 scale per 32 weights, against 16 bits
     # The eager graph with the program's own decompressed weights gives the same logits.
-    model, _ = load_model("bundled")
-    module = OscarCausalLM(model, OscarConfig(), "hadamard").eval()
+    # The artifact's own eager graph: its calibrated rotations are folded into v_proj and o_proj.
+    module = eager_module(artifact, load_manifest(artifact))
     program = saved_program(small)
     compressed = [op for op in program.functions["main"].operations if op.op_type == "constexpr_blockwise_shift_scale"]
     assert len(compressed) == LAYERS * 7 + 1  # every projection and the (tied) lm_head
