@@ -48,23 +48,16 @@ def read_text(path) -> tuple[str, str]:
     return text, hashlib.sha256(raw).hexdigest()
 
 
-def _file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def model_digest(model_name: str) -> str:
     """sha256 over the checkpoint's files (config, weights, tokenizer), each by name and content."""
+    from .export.artifact import sha256
     from .models import model_dir
 
     directory = model_dir(model_name)
     digest = hashlib.sha256()
     for path in sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in MODEL_FILE_SUFFIXES
                        and p.name != SHIPPED_FILE):
-        digest.update(f"{path.name}\0{_file_digest(path)}\0".encode())
+        digest.update(f"{path.name}\0{sha256(path)}\0".encode())
     return digest.hexdigest()
 
 

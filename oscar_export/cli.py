@@ -51,6 +51,28 @@ def positive_int(text: str) -> int:
     return value
 
 
+def thread_count(text: str) -> int:
+    """--threads: 0 (the runtime's default) up to four per core; more only thrashes, and huge counts hang."""
+    limit = 4 * (os.cpu_count() or 1)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: expected 0..{limit}") from None
+    if not 0 <= value <= limit:
+        raise argparse.ArgumentTypeError(f"{value}: expected 0 (the runtime's default) .. {limit} (4 per core)")
+    return value
+
+
+def context_tokens(text: str) -> int:
+    """--context: a positive token count within what a cache can be planned for."""
+    from .export.artifact import MAX_CONTEXT
+
+    value = positive_int(text)
+    if value > MAX_CONTEXT:
+        raise argparse.ArgumentTypeError(f"{value} tokens: expected at most {MAX_CONTEXT}")
+    return value
+
+
 def _count(text: str) -> int:
     try:
         value = int(text)
@@ -162,7 +184,7 @@ def cmd_artifact_info(directory: Path, as_json: bool) -> int:
     """`info --artifact DIR`: what was exported, with what cache format, and how its rotations were made."""
     from .export.artifact import load_manifest
 
-    manifest = load_manifest(directory)
+    manifest = load_manifest(directory, verify=False)  # describes a damaged artifact too
     info = {key: manifest.get(key) for key in ("target", "runtime", "model", "weights", "max_context", "config",
                                                "rotations", "rotations_metadata")}
     if as_json:
@@ -261,11 +283,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     from .calibrations import default_text, read_text, run_calibration
     from .models import load_model
-    from .rotation_files import export_rotation_zoo, save_rotations, zoo_paths
+    from .rotation_files import check_writable, export_rotation_zoo, save_rotations, zoo_paths
 
     config = config_from_args(args)
     text_path = args.text or default_text()
-    read_text(text_path)  # a missing or non-UTF-8 text fails before the model loads
+    read_text(text_path)  # a missing or non-UTF-8 text, or an unwritable --out, fails before calibrating
+    check_writable(args.out)
     model, tokenizer = load_model(args.model, offload_folder=args.offload_folder, max_memory=args.max_memory)
     rotation_set, seconds = run_calibration(args.model, config, text_path, args.tokens, args.heldout_tokens,
                                             per_head=args.per_head, lloyd_max=args.lloyd_max, model=model,
@@ -425,6 +448,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .cli_targets import add_target_commands  # run and bench, dispatched to each target's module
 
     add_target_commands(sub)
+    parser.commands = tuple(sub.choices)  # a subcommand first: its own flags follow, even "--target"
     return parser
 
 
@@ -435,6 +459,19 @@ def _quiet_third_party_logs() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def _prompt_values_joined(argv: list[str]) -> list[str]:
+    """`--prompt VALUE` as `--prompt=VALUE`, so a prompt that looks like a flag ("--target") stays a prompt."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--prompt" and i + 1 < len(argv):
+            out.append(f"--prompt={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     _quiet_third_party_logs()
     import torch
@@ -443,23 +480,43 @@ def main(argv: list[str] | None = None) -> int:
         # Without a GPU, Triton kernels run through the interpreter; the flag must be set before
         # triton is first imported (transformers may import it through torchao).
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    argv = sys.argv[1:] if argv is None else argv
-    if any(arg.split("=")[0] == "--target" for arg in argv):
+    argv = _prompt_values_joined(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if (not argv or argv[0] not in parser.commands) and any(arg.split("=")[0] == "--target" for arg in argv):
         from .cli_targets import export_target  # each target has its own flags (--model, --out, ...)
 
-        return export_target(argv)
-    parser = build_parser()
+        return _reporting("--target", lambda: export_target(argv))
     args, rest = parser.parse_known_args(argv)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command is None:
         parser.print_help()
         return 0
+    return _reporting(args.command, lambda: args.func(args))
+
+
+def _reporting(command: str, run) -> int:
+    """Expected failures are one line and exit 2; anything else is an internal error: one line, the
+    traceback in a log file, exit 1."""
     try:
-        return args.func(args)
+        return run()
     except OscarInputError as err:
-        print(f"oscar-export {args.command}: error: {err}", file=sys.stderr)
+        print(f"oscar-export {command}: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"oscar-export {command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # noqa: BLE001 - the last resort that keeps tracebacks off the user's screen
+        import tempfile
+        import traceback
+
+        fd, log = tempfile.mkstemp(prefix="oscar-export-", suffix=".log")
+        with os.fdopen(fd, "w") as f:
+            traceback.print_exc(file=f)
+        first = str(err).splitlines()[0] if str(err) else ""
+        print(f"oscar-export {command}: internal error: {type(err).__name__}: {first[:300]} (traceback in {log}; "
+              f"please report it)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

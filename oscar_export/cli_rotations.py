@@ -28,11 +28,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
                                   "or --out DIR (the reference's file names)")
         rs = load_rotations(args.source)
         k_path, v_path = (args.k, args.v) if paired else zoo_paths(rs, args.out)
+        if args.source.resolve() in (Path(k_path).resolve(), Path(v_path).resolve()):
+            raise OscarInputError(f"{k_path if Path(k_path).resolve() == args.source.resolve() else v_path}: is the "
+                                  f"--from file: expected new RotationZoo file paths")
         export_rotation_zoo(rs, k_path, v_path)
         written = f"{k_path} and {v_path}"
     else:
         if args.k is None or args.v is None or args.out is None or args.source is not None:
             raise OscarInputError("convert: expected --k K.pt --v V.pt --out FILE.safetensors, or --from with --to-zoo")
+        if args.out.resolve() in (args.k.resolve(), args.v.resolve()):
+            raise OscarInputError(f"--out {str(args.out)!r} is one of the inputs: expected a new file")
         rs = import_rotation_zoo(args.k, args.v)
         save_rotations(args.out, rs)
         written = str(args.out)

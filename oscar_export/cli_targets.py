@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from .cli import _Parser, add_cache_flags, positive_int
+from .cli import _Parser, add_cache_flags, context_tokens, positive_int, thread_count
 from .calibrations import DEFAULT_TOKENS
 from .config import OscarInputError
 from .targets import TARGETS, available, bench_runtimes, cli_module, recipe, run_runtimes
@@ -43,7 +43,7 @@ def export_parser(target: str, description: str, float_weights_help: str, device
                    help="UTF-8 text for --rotations calibrate (default: the bundled public-domain text)")
     p.add_argument("--calibration-tokens", type=positive_int, default=DEFAULT_TOKENS,
                    help="tokens for --rotations calibrate (default %(default)s)")
-    p.add_argument("--context", type=positive_int,
+    p.add_argument("--context", type=context_tokens,
                    help="max tokens of the cache (default: the model's max_position_embeddings, at most 4096)")
     p.add_argument("--out", type=Path, default=Path(recipe(target)["default_out"]),
                    help="artifact directory (default %(default)s)")
@@ -96,6 +96,10 @@ def export_rotations(args: argparse.Namespace) -> tuple[object, str]:
 def cmd_run(args: argparse.Namespace) -> int:
     from .export.artifact import load_manifest
 
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates
+        raise OscarInputError("--prompt is not valid UTF-8: expected text") from None
     target = load_manifest(args.artifact)["target"]
     allowed = recipe(target)["run_runtimes"]
     runtime = args.runtime or allowed[0]
@@ -119,6 +123,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.what not in kinds:
         raise OscarInputError(f"bench {args.what} --runtime {args.runtime}: not available for the {target} target: "
                               f"expected one of {kinds}")
+    args.threads = args.threads or None  # 0 and unset: every core
     return _module(target).bench(args)
 
 
@@ -133,7 +138,7 @@ def add_target_commands(sub) -> None:
                         + "; android: " + ", ".join(recipe("android")["run_runtimes"])
                         + "; ios: " + ", ".join(recipe("ios")["run_runtimes"])
                         + ". reference runs transformers with the reference cache (needs the source checkpoint)")
-    p.add_argument("--threads", type=int, default=0, help="runtime threads (0: its default)")
+    p.add_argument("--threads", type=thread_count, default=0, help="runtime threads (0: its default)")
     p.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": "..."}')
     p.set_defaults(func=cmd_run)
 
@@ -151,7 +156,7 @@ def add_target_commands(sub) -> None:
     p.add_argument("--context", default="4096,32768", help="comma-separated contexts (default %(default)s)")
     p.add_argument("--model", default="bundled", help="model whose attention shape is used: 'bundled', a preset "
                                                       "(llama-3-8b, ...) or a local checkpoint")
-    p.add_argument("--threads", type=positive_int, help="threads for both (default: every core)")
+    p.add_argument("--threads", type=thread_count, help="threads for both (default or 0: every core)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_cache_flags(p)
     p.set_defaults(func=cmd_bench)

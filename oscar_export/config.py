@@ -49,7 +49,8 @@ class OscarConfig:
         for name in ("k_clip", "v_clip"):
             value = getattr(self, name)
             _check(
-                isinstance(value, (int, float)) and math.isfinite(value) and 0.5 <= value <= 1.0,
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                and 0.5 <= value <= 1.0,
                 f"{name}={value!r}: expected a fraction of the range kept, 0.5 <= clip <= 1.0",
             )
         _check(self.codebook in CODEBOOKS, f"codebook={self.codebook!r}: expected one of {CODEBOOKS}")

@@ -59,6 +59,28 @@ def executorch_dir() -> tuple[Path | None, str]:
     return root, ""
 
 
+_PROBE = "import ctypes, sys\nfor path in sys.argv[1:]:\n    ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)\n"
+
+
+def probe_library(path, preload: tuple = ()) -> None:
+    """Load a shared library in a throwaway process first: a damaged one that would crash the dynamic loader
+    (which no check in this process survives) becomes an error naming the file."""
+    import sys
+
+    try:
+        proc = subprocess.run([sys.executable, "-I", "-S", "-c", _PROBE, *map(str, preload), str(path)],
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        raise OscarInputError(f"{path}: loading this library hangs: expected an op library written by "
+                              f"oscar-export; re-export") from None
+    if proc.returncode < 0:
+        raise OscarInputError(f"{path}: this library crashes the loader (signal {-proc.returncode}): the file is "
+                              f"damaged; re-export")
+    if proc.returncode:
+        reason = (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
+        raise OscarInputError(f"{path}: cannot load this library ({reason[:300]}): re-export")
+
+
 def build_native(build_dir: str | Path | None = None, sanitize: bool = False, target: str | None = None) -> Path:
     """Configure and build runtime_ops/ and return the build directory.
 

@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .codec import check_finite, check_levels
-from .config import SUPPORTED_BITS, OscarInputError
+from .config import SUPPORTED_BITS, OscarConfig, OscarInputError
 from .rotations import max_orthogonality_error, orthogonality_errors
 
 FORMAT_VERSION = "1"
@@ -36,6 +36,7 @@ TENSOR_NAMES = ("k_rotation", "v_rotation", "k_levels", "v_levels", "k_eigenvalu
 ZOO_KEYS = ("format_version", "objective", "source_grouping", "layers")
 ZOO_LAYER_KEYS = ("rotation", "eigenvalues")
 ZOO_VERSIONS = (1, 2)
+CONFIG_METADATA = ("k_bits", "v_bits", "cluster_dim", "k_clip", "v_clip", "codebook")
 # Our calibration (R = U.H.P_br, K on the query covariance, V score-weighted) in the reference's names.
 ZOO_OBJECTIVES = {"k": "qqt_h_pbr", "v": "sst_h_pbr"}
 
@@ -122,6 +123,13 @@ def _check_set(rs: RotationSet, name: str) -> None:
 
     if not isinstance(rs.metadata, dict):
         raise OscarInputError(f"{name}: metadata is {_describe(rs.metadata)}: expected a dict")
+    # The cache-format fields a file carries are checked by the one validator every command uses, OscarConfig,
+    # so `rotations check`, export and eval accept and refuse the same files.
+    format_fields = {key: rs.metadata[key] for key in CONFIG_METADATA if rs.metadata.get(key) is not None}
+    try:
+        OscarConfig(**format_fields)
+    except OscarInputError as err:
+        raise OscarInputError(f"{name}: metadata {err}") from None
     codebook = rs.metadata.get("codebook")
     for kind in KINDS:
         levels = getattr(rs, f"{kind}_levels")
@@ -167,17 +175,30 @@ def _existing_file(path) -> Path:
     return path
 
 
-def _write_atomically(path, write) -> None:
-    """write(temp) beside `path`, then rename over it: readers never see a half-written file."""
+def check_writable(path) -> Path:
+    """A file path whose directory accepts a new file: checked before minutes of work that end in writing it."""
     path = Path(path)
     if path.is_dir() or not path.parent.is_dir():
         raise OscarInputError(f"{path}: cannot write here: expected a file path in an existing directory")
+    probe = path.with_name(f".{path.name}.{os.getpid()}.probe")
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise OscarInputError(f"{path}: cannot write ({err.strerror or err}): expected a writable file path") from None
+    return path
+
+
+def _write_atomically(path, write) -> None:
+    """write(temp) beside `path`, then rename over it: readers never see a half-written file."""
+    path = check_writable(path)
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(temp)
         os.replace(temp, path)
-    except OSError as err:
-        raise OscarInputError(f"{path}: cannot write ({err.strerror or err}): expected a writable file path") from None
+    except (OSError, SafetensorError) as err:
+        reason = getattr(err, "strerror", None) or str(err).splitlines()[0]
+        raise OscarInputError(f"{path}: cannot write ({reason}): expected a writable file path") from None
     finally:
         temp.unlink(missing_ok=True)
 

@@ -141,6 +141,20 @@ def test_missing_kernel_library_is_named(float_artifact):
     assert proc.returncode != 0 and f"load {LIBRARY_FILE} first" in proc.stderr, proc.stderr[-2000:]
 
 
+def test_a_program_that_is_not_one_is_refused_before_executorch_reads_it(float_artifact, tmp_path, capsys):
+    """Random bytes with a manifest rewritten to match them: ExecuTorch's loader would abort the process."""
+    out = tmp_path / "copy"
+    shutil.copytree(float_artifact, out)
+    (out / MODEL_FILE).write_bytes(np.random.default_rng(0).bytes(4096))
+    manifest = json.loads((out / "manifest.json").read_text())
+    digest = hashlib.sha256((out / MODEL_FILE).read_bytes()).hexdigest()
+    manifest["files"][MODEL_FILE] = {"bytes": 4096, "sha256": digest}
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    assert main(["run", "--artifact", str(out), "--prompt", "KING."]) == 2
+    err = capsys.readouterr().err
+    assert "not an ExecuTorch program" in err and len(err.strip().splitlines()) == 1, err
+
+
 def test_context_overflow_is_an_error_and_writes_nothing(float_artifact, prompt):
     lm = EtLM(float_artifact, threads=1)
     lm.prefill(prompt)

@@ -6,7 +6,7 @@ import pytest
 
 from oscar_export.calibrations import SHIPPED_FILE, cache_key, calibrated_rotations, default_text, read_text
 from oscar_export.cli import main
-from oscar_export.config import OscarConfig, OscarInputError
+from oscar_export.config import OscarConfig
 from oscar_export.models import BUNDLED_MODEL_DIR
 from oscar_export.rotation_files import load_rotations
 

@@ -144,3 +144,35 @@ def test_head_dim_32_exports_with_no_flag(head_dim_32_checkpoint, tmp_path):
             "--out", str(tmp_path / "artifact"), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["config"]["cluster_dim"] == 32
+
+
+# Every subcommand with bad inputs: one error line, exit 2, no traceback (in-process, so it is quick).
+BAD_INPUTS = [
+    ["plan", "--model", "/no/such/dir"], ["plan", "--context", "0"], ["plan", "--device-memory", "8XB"],
+    ["info", "--artifact", "/no/such/dir"],
+    ["report", "--model", "/no/such/dir"], ["report", "--text", "/no/such/file.txt"],
+    ["calibrate", "--out", "/proc/x.safetensors", "--tokens", "64"], ["calibrate", "--out", "x.safetensors",
+                                                                      "--text", "/no/such/file.txt"],
+    ["eval", "--model", "/no/such/dir"], ["eval", "--contexts", "abc"],
+    ["parity", "--artifact", "/no/such/dir"], ["parity", "--rotations", "/no/such/file.safetensors"],
+    ["rotations", "convert", "--k", "/no/k.pt", "--v", "/no/v.pt", "--out", "x.safetensors"],
+    ["rotations", "check", "/no/such/file.safetensors"],
+    ["run", "--artifact", "/no/such/dir", "--prompt", "x"], ["run", "--artifact", "/tmp", "--prompt", "x",
+                                                              "--threads", "-1"],
+    ["bench", "attention", "--context", "abc"], ["bench", "attention", "--threads", "100000"],
+    ["--target", "laptop", "--model", "/no/such/dir"], ["--target", "android", "--context", "0"],
+    ["--target", "ios", "--out", "/proc/x"], ["--target", "laptop", "--rotations", "/no/such/file.safetensors"],
+]
+
+
+@pytest.mark.parametrize("argv", BAD_INPUTS, ids=lambda argv: " ".join(argv[:3]))
+def test_every_command_answers_bad_input_in_one_line(argv, capsys):
+    from oscar_export.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:  # argparse's own refusals
+        code = exit_info.code
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and len(errors) == 1 and "Traceback" not in err, err

@@ -249,3 +249,97 @@ def test_bench_attention_json(capsys):
         assert x["oscar_ms"] > 0 and x["baseline_ms"] > 0
         assert x["speedup"] == pytest.approx(x["baseline_ms"] / x["oscar_ms"], rel=1e-2)
 
+
+# -- damaged and edited artifacts: verified before anything native reads them ---------------------
+
+
+def damaged_copy(artifact, tmp_path, damage):
+    out = tmp_path / "copy"
+    shutil.copytree(artifact, out)
+    damage(out)
+    return out
+
+
+def edit_manifest(**fields):
+    def damage(out):
+        manifest = json.loads((out / "manifest.json").read_text())
+        manifest.update(fields)
+        (out / "manifest.json").write_text(json.dumps(manifest))
+    return damage
+
+
+def zero_bytes(name):
+    def damage(out):
+        (out / name).write_bytes(bytes((out / name).stat().st_size))
+    return damage
+
+
+def truncate(name):
+    def damage(out):
+        data = (out / name).read_bytes()
+        (out / name).write_bytes(data[: len(data) // 2])
+    return damage
+
+
+@needs_native
+@pytest.mark.parametrize("damage, needle", [
+    (zero_bytes("model.onnx.data"), "model.onnx.data does not match its sha256"),
+    (truncate("liboscar_ort.so"), "liboscar_ort.so is"),
+    (lambda out: (out / "model_fallback.onnx").unlink(), "model_fallback.onnx is missing"),
+    (edit_manifest(config={"k_bits": 7}), "k_bits=7"),
+    (edit_manifest(max_context=10**12), "max_context=1000000000000"),
+    (edit_manifest(max_chunk="512"), "max_chunk='512'"),
+    (edit_manifest(max_chunk=0), "max_chunk=0"),
+    (edit_manifest(files={"../x": {"bytes": 1, "sha256": "0" * 64}}), "expected a path inside the artifact"),
+])
+@pytest.mark.parametrize("command", ["run", "parity"])
+def test_damaged_artifact_is_refused_with_one_line(float_artifact, tmp_path, capsys, damage, needle, command):
+    out = damaged_copy(float_artifact, tmp_path, damage)
+    args = ["--prompt", "KING."] if command == "run" else ["--steps", "2", "--prompt-tokens", "8"]
+    assert main([command, "--artifact", str(out), *args]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
+@needs_native
+def test_export_keeps_user_files_and_clears_stale_staging(float_artifact, tmp_path, capsys):
+    out = damaged_copy(float_artifact, tmp_path, lambda out: (out / "notes.txt").write_text("mine"))
+    stale = tmp_path / ".copy.tmp-999999999"  # a killed export's staging folder (no such process)
+    stale.mkdir()
+    assert main(["--target", "laptop", "--rotations", "hadamard", "--float-weights", "--out", str(out)]) == 2
+    assert "holds files the artifact did not write (notes.txt)" in capsys.readouterr().err
+    assert (out / "notes.txt").read_text() == "mine" and stale.is_dir()  # refused before staging
+    (out / "notes.txt").unlink()
+    assert main(["--target", "laptop", "--rotations", "hadamard", "--float-weights", "--context", "256",
+                 "--out", str(out)]) == 0
+    assert not stale.exists() and json.loads((out / "manifest.json").read_text())["max_context"] == 256
+
+
+@needs_native
+def test_flag_values_are_bounded_or_taken_as_text(float_artifact, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--artifact", str(float_artifact), "--prompt", "x", "--threads", "100000"])
+    assert exit_info.value.code == 2 and "100000: expected 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--target", "laptop", "--context", str(10**12)])
+    assert f"{10**12} tokens: expected at most" in capsys.readouterr().err
+    # A prompt that looks like a flag is a prompt.
+    assert main(["run", "--artifact", str(float_artifact), "--prompt", "--target", "--max-new-tokens", "2",
+                 "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) <= 2
+    assert main(["run", "--artifact", str(float_artifact), "--prompt", "caf\udce9"]) == 2
+    assert "--prompt is not valid UTF-8" in capsys.readouterr().err
+
+
+def test_an_unexpected_exception_is_an_internal_error_with_a_log(monkeypatch, capsys):
+    import oscar_export.cli as cli_module
+
+    def broken(args):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(cli_module, "cmd_plan", broken)
+    assert main(["plan"]) == 1
+    err = capsys.readouterr().err
+    assert "internal error: KeyError" in err and len(err.strip().splitlines()) == 1
+    log = err.split("traceback in ")[1].split(";")[0]
+    assert "Traceback" in open(log).read() and "boom" in open(log).read()

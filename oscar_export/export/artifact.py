@@ -56,12 +56,51 @@ def file_table(directory: Path) -> dict:
 
 
 def check_out(out: Path) -> None:
-    """out may be new, empty, or a previous artifact (replaced); anything else is refused."""
-    if out.exists() and not (out.is_dir() and (not any(out.iterdir()) or (out / MANIFEST).is_file())):
-        raise OscarInputError(f"--out {str(out)!r} exists and is not an oscar-export artifact: "
-                              "expected a new or empty directory, or a previous export to replace")
+    """out may be new, empty, or a previous artifact holding only its own files (replaced); anything else,
+    a user's file beside an artifact included, is refused rather than deleted."""
+    if out.exists():
+        if not out.is_dir():
+            raise OscarInputError(f"--out {str(out)!r} is a file: expected a new or empty directory, or a previous "
+                                  f"export to replace")
+        if any(out.iterdir()):
+            try:
+                listed = set(json.loads((out / MANIFEST).read_text())["files"]) | {MANIFEST}
+            except (OSError, ValueError, KeyError, TypeError):
+                raise OscarInputError(f"--out {str(out)!r} exists and is not an oscar-export artifact: expected a "
+                                      f"new or empty directory, or a previous export to replace") from None
+            present = {str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir()}
+            extra = sorted(present - listed)
+            if extra:
+                shown = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
+                raise OscarInputError(f"--out {str(out)!r} holds files the artifact did not write ({shown}): move "
+                                      f"them, or choose another --out")
     if not out.parent.is_dir():
         raise OscarInputError(f"--out {str(out)!r}: parent directory does not exist")
+    probe = out.with_name(f".{out.name}.probe-{os.getpid()}")  # minutes of export must not end in a refusal
+    try:
+        probe.mkdir()
+        probe.rmdir()
+    except OSError as err:
+        raise OscarInputError(f"--out {str(out)!r}: cannot write there ({err.strerror or err}): expected a "
+                              f"writable directory") from None
+
+
+def _remove_stale_staging(out: Path) -> None:
+    """Staging folders of exports that were killed (their process is gone) are removed."""
+    for path in out.parent.glob(f".{out.name}.*-*"):
+        kind, _, pid = path.name[len(out.name) + 2:].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def check_export_args(out, rotations, device_memory: str) -> int:
@@ -86,6 +125,7 @@ def staged(out: Path):
     """Yields an empty temporary directory next to `out`; on success it replaces `out` atomically."""
     out = Path(out)
     check_out(out)
+    _remove_stale_staging(out)
     temp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(temp, ignore_errors=True)
     temp.mkdir()
@@ -144,8 +184,16 @@ def finish_manifest(temp: Path, target: str, runtime: str, model_name: str, mode
     return manifest
 
 
-def load_manifest(directory, target: str | None = None) -> dict:
-    """The artifact's manifest; with `target`, it must be that target's."""
+# The longest cache a manifest may ask for: far past any model here (a 1M-token cache of an 8B model
+# is already ~60 GB at 2 bits), and a bound that keeps a hand-edited value from becoming an allocation.
+MAX_CONTEXT = 1 << 20
+ROTATIONS = ("hadamard", "none", ROTATION_FILE)
+
+
+def load_manifest(directory, target: str | None = None, verify: bool = True) -> dict:
+    """The artifact's manifest; with `target`, it must be that target's. With `verify` (what run and parity
+    do) every value a runner relies on is checked, and every listed file's size and sha256, before anything
+    native reads them: a damaged or edited artifact is an error naming the file, never a wrong answer."""
     path = Path(directory) / MANIFEST
     try:
         manifest = json.loads(path.read_text())
@@ -153,10 +201,78 @@ def load_manifest(directory, target: str | None = None) -> dict:
         raise OscarInputError(f"--artifact {str(directory)!r}: no readable {MANIFEST} ({err}): "
                               "expected a directory written by 'oscar-export --target ...'") from None
     found = manifest.get("target") if isinstance(manifest, dict) else None
-    if found is None or manifest.get("format") != manifest_format(found) or target not in (None, found):
+    if not isinstance(found, str) or manifest.get("format") != manifest_format(found) or target not in (None, found):
         want = manifest_format(target) if target else "oscar-export/<target>/1"
         raise OscarInputError(f"--artifact {str(directory)!r}: {MANIFEST} is not format {want!r}")
+    if verify:
+        check_manifest(directory, manifest)
+        verify_files(directory, manifest)
     return manifest
+
+
+def _is_int(value) -> bool:
+    return type(value) is int
+
+
+def check_manifest(directory, manifest: dict) -> None:
+    """The values the runners use, each in range; an error names the field."""
+    where = f"--artifact {str(directory)!r}: {MANIFEST}"
+
+    def require(ok: bool, field: str, expected: str) -> None:
+        if not ok:
+            raise OscarInputError(f"{where}: {field}={manifest.get(field)!r}: expected {expected}; re-export "
+                                  f"the artifact")
+
+    config = manifest.get("config")
+    require(isinstance(config, dict), "config", "the cache format as an object")
+    try:
+        OscarConfig.from_dict(config)
+    except (OscarInputError, TypeError) as err:
+        raise OscarInputError(f"{where}: config: {err}; re-export the artifact") from None
+    max_context = manifest.get("max_context")
+    require(_is_int(max_context) and 1 <= max_context <= MAX_CONTEXT, "max_context", f"tokens in 1..{MAX_CONTEXT}")
+    max_chunk = manifest.get("max_chunk")
+    require(_is_int(max_chunk) and 1 <= max_chunk <= max_context, "max_chunk", f"tokens in 1..{max_context}")
+    eos = manifest.get("eos_token_ids")
+    require(isinstance(eos, list) and all(_is_int(i) and i >= 0 for i in eos), "eos_token_ids",
+            "a list of token ids")
+    require(manifest.get("rotations") in ROTATIONS, "rotations", f"one of {list(ROTATIONS)}")
+    files = manifest.get("files")
+    require(isinstance(files, dict) and bool(files), "files", "{name: {bytes, sha256}} of the artifact's files")
+    for name, meta in files.items():
+        parts = Path(name).parts
+        if Path(name).is_absolute() or ".." in parts or not parts:
+            raise OscarInputError(f"{where}: file name {name!r}: expected a path inside the artifact")
+        ok = (isinstance(meta, dict) and _is_int(meta.get("bytes")) and meta["bytes"] >= 0
+              and isinstance(meta.get("sha256"), str) and len(meta["sha256"]) == 64
+              and all(c in "0123456789abcdef" for c in meta["sha256"]))
+        if not ok:
+            raise OscarInputError(f"{where}: files[{name!r}]={meta!r}: expected {{bytes, sha256}}")
+
+
+_VERIFIED: set = set()  # (path, size, mtime_ns, sha256) already hashed in this process
+
+
+def verify_files(directory, manifest: dict) -> None:
+    """Each listed file exists with the manifest's size and sha256."""
+    directory = Path(directory)
+    for name, meta in manifest["files"].items():
+        path = directory / name
+        try:
+            stat = path.stat()
+        except OSError:
+            raise OscarInputError(f"--artifact {str(directory)!r}: {name} is missing: the artifact is incomplete; "
+                                  f"re-export it") from None
+        if not path.is_file() or stat.st_size != meta["bytes"]:
+            raise OscarInputError(f"--artifact {str(directory)!r}: {name} is {stat.st_size} bytes, the manifest "
+                                  f"says {meta['bytes']}: the artifact is damaged; re-export it")
+        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns, meta["sha256"])
+        if key in _VERIFIED:
+            continue
+        if sha256(path) != meta["sha256"]:
+            raise OscarInputError(f"--artifact {str(directory)!r}: {name} does not match its sha256 in {MANIFEST}: "
+                                  f"the artifact is damaged or was edited; re-export it")
+        _VERIFIED.add(key)
 
 
 def eos_ids(model) -> list[int]:

@@ -40,6 +40,10 @@ def load_kernels(library=None) -> ctypes.CDLL:
         from ..native import executorch_library_path
 
         library = executorch_library_path()
+    from ..native import executorch_dir, probe_library
+
+    root, _ = executorch_dir()
+    probe_library(library, preload=(root / "lib" / "libexecutorch.so",) if root is not None else ())
     lib = ctypes.CDLL(str(library), mode=ctypes.RTLD_GLOBAL)
     lib.oscar_executorch_last_error.restype = ctypes.c_char_p
     if OP not in portable_lib._get_operator_names():
@@ -67,7 +71,14 @@ def load_program(path):
         raise OscarInputError(f"{path.name} calls {OP}, which this ExecuTorch runtime does not have: load "
                               f"{LIBRARY_FILE} first (ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL), or "
                               "oscar_export.export.et_runner.load_kernels())")
-    return portable_lib._load_program(str(path))
+    with open(path, "rb") as f:  # ExecuTorch's loader aborts the process on a file that is not a program
+        if f.read(8)[4:8] != b"ET12":
+            raise OscarInputError(f"{path}: not an ExecuTorch program (no ET12 header): expected the {MODEL_FILE} "
+                                  f"an android export writes")
+    try:
+        return portable_lib._load_program(str(path))
+    except RuntimeError as err:
+        raise OscarInputError(f"{path}: ExecuTorch cannot load it ({str(err).splitlines()[0]}): re-export") from None
 
 
 class EtLM(GreedyLM):

@@ -41,14 +41,26 @@ class OrtLM(GreedyLM):
                     from ..native import ort_library_path
 
                     library = ort_library_path()
-            options.register_custom_ops_library(str(library))
+            from ..native import probe_library
+
+            probe_library(library)
+            try:
+                options.register_custom_ops_library(str(library))
+            except Exception as err:  # onnxruntime raises its own Fail/RuntimeException types
+                raise OscarInputError(f"{library}: ONNX Runtime cannot load this op library "
+                                      f"({str(err).splitlines()[0]}): re-export, or use --runtime onnx-fallback") \
+                    from None
         else:
             print("onnx-fallback: OscarAttention runs as a pure-ONNX function without the native library: slower, "
                   "and every step copies the whole cache", file=sys.stderr)
         path = directory / (MODEL_FILE if self.native else FALLBACK_FILE)
         if not path.is_file():
             raise OscarInputError(f"artifact {str(directory)!r} has no {path.name}: expected an export directory")
-        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        try:
+            self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        except Exception as err:  # a damaged model or external data file
+            raise OscarInputError(f"{path}: ONNX Runtime cannot load it ({str(err).splitlines()[0][:300]}): "
+                                  f"re-export") from None
         cache_inputs = self.session.get_inputs()[2:]
         self.cache_names = [i.name for i in cache_inputs]
         # Zeros are fine: the op only reads the `length` tokens it wrote.

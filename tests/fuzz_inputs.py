@@ -1,0 +1,240 @@
+"""A seeded fuzz harness for the files users hand us: rotation files, RotationZoo pickles, artifact
+manifests, artifact files (weights, tokenizer, op library, .onnx and .pte headers).
+
+Every case ends in one of:
+- "refused": a one-line OscarInputError (the expected answer to a damaged input);
+- "accepted": the input loaded (fine where the mutation kept it valid);
+- "traceback": any other exception (a bug: the user sees a stack trace);
+- "crash": the process died on a signal (native code read what it should not have);
+- "silent": a mutation that must be refused was accepted (a wrong answer waiting to happen).
+
+tests/test_fuzz.py runs a bounded number of cases in CI; many more on demand:
+    .venv/bin/python tests/fuzz_inputs.py --cases 2000 --seed 1 [--artifact DIR]
+(DIR: a laptop artifact; without it one is exported first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from oscar_export.config import OscarInputError
+
+OUTCOMES = ("refused", "accepted", "traceback", "crash", "silent")
+
+
+def outcome(load, must_refuse: bool) -> str:
+    try:
+        load()
+    except OscarInputError as err:
+        return "refused" if "\n" not in str(err) else "traceback"
+    except Exception:  # noqa: BLE001 - what the harness counts
+        return "traceback"
+    return "silent" if must_refuse else "accepted"
+
+
+def mutate_bytes(rng: np.random.Generator, data: bytes) -> bytes:
+    """Flip, truncate, extend or overwrite a region: the damage a disk, a download or an editor does."""
+    buf = bytearray(data)
+    kind = rng.integers(4)
+    if kind == 0 and buf:
+        for i in rng.integers(0, len(buf), int(rng.integers(1, 9))):
+            buf[i] ^= int(rng.integers(1, 256))
+    elif kind == 1:
+        del buf[int(rng.integers(0, max(len(buf), 1))):]
+    elif kind == 2:
+        buf += rng.bytes(int(rng.integers(1, 64)))
+    elif buf:
+        start = int(rng.integers(0, len(buf)))
+        buf[start:start + 16] = rng.bytes(16)[: len(buf[start:start + 16])]
+    return bytes(buf)
+
+
+# -- rotation files ---------------------------------------------------------------------------------
+
+
+def _rotation_sources(tmp: Path) -> tuple[Path, Path, Path]:
+    from oscar_export.rotation_files import RotationSet, export_rotation_zoo, save_rotations
+
+    q = torch.linalg.qr(torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0)))[0].contiguous()
+    rs = RotationSet(k=q, v=q.flip(-1).contiguous(), k_eigenvalues=torch.rand(2, 32), v_eigenvalues=torch.rand(2, 32),
+                     metadata={"k_clip": 0.9, "v_clip": 0.9, "codebook": "uniform", "k_bits": 2, "v_bits": 2,
+                               "cluster_dim": 32, "k_objective": "qqt_h_pbr", "v_objective": "sst_h_pbr"})
+    ours, k, v = tmp / "rot.safetensors", tmp / "k.pt", tmp / "v.pt"
+    save_rotations(ours, rs)
+    export_rotation_zoo(rs, k, v)
+    return ours, k, v
+
+
+METADATA_VALUES = [5.0, -1, "abc", float("nan"), None, [], {}, "magic", 7, 48, 0.5, True, 1e308]
+
+
+def fuzz_rotation_files(rng: np.random.Generator, cases: int, tmp: Path) -> Counter:
+    from oscar_export.rotation_files import import_rotation_zoo, load_rotations
+
+    ours, k, v = _rotation_sources(tmp)
+    counts = Counter()
+    for i in range(cases):
+        case = tmp / f"case{i}"
+        kind = rng.integers(3)
+        if kind == 0:  # our safetensors file, bytes damaged
+            case.write_bytes(mutate_bytes(rng, ours.read_bytes()))
+            counts[outcome(lambda: load_rotations(case), must_refuse=False)] += 1
+        elif kind == 1:  # our file with one metadata field set to an arbitrary value
+            from safetensors import safe_open
+            from safetensors.torch import save_file
+
+            with safe_open(str(ours), framework="pt") as f:
+                header, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+            meta = json.loads(header["oscar"])
+            key = str(rng.choice(["k_clip", "v_clip", "codebook", "k_bits", "cluster_dim", "layers"]))
+            value = METADATA_VALUES[int(rng.integers(len(METADATA_VALUES)))]
+            meta[key] = value
+            text = json.dumps(meta)  # NaN is written as JSON allows (the reader must refuse it)
+            save_file(tensors, str(case), metadata={**header, "oscar": text})
+            # None leaves a field unset; 0.5 is a valid clip; everything else in METADATA_VALUES is invalid there.
+            valid = {"k_clip": (0.5, None), "v_clip": (0.5, None), "codebook": (None,), "k_bits": (None,),
+                     "cluster_dim": (None,), "layers": ()}[key]
+            must_refuse = not any(value is v or (type(value) is type(v) and value == v) for v in valid)
+            counts[outcome(lambda: load_rotations(case), must_refuse=must_refuse)] += 1
+        else:  # a RotationZoo pickle damaged
+            case.write_bytes(mutate_bytes(rng, k.read_bytes()))
+            counts[outcome(lambda: import_rotation_zoo(case, v), must_refuse=False)] += 1
+    return counts
+
+
+# -- artifacts --------------------------------------------------------------------------------------
+
+
+MANIFEST_FIELDS = {
+    "config": [{"k_bits": 7}, {"cluster_dim": 48}, {"k_clip": 2.0}, "x", None, {"unknown": 1}],
+    "max_context": [0, -1, 10**12, "512", 1.5, None],
+    "max_chunk": [0, -1, "512", 10**9, None],
+    "eos_token_ids": ["0", [-1], [1.5], None],
+    "rotations": ["../../etc/passwd", 3, None],
+    "files": [{}, {"../x": {"bytes": 1, "sha256": "0" * 64}}, {"model.onnx": {"bytes": -1, "sha256": "0" * 64}},
+              {"model.onnx": {"bytes": 1, "sha256": "zz"}}, [], None],
+    "format": ["oscar-export/laptop/2", 1, None],
+}
+
+
+def fuzz_manifests(rng: np.random.Generator, cases: int, artifact: Path, tmp: Path) -> Counter:
+    from oscar_export.export.artifact import MANIFEST, load_manifest
+
+    base = json.loads((artifact / MANIFEST).read_text())
+    counts = Counter()
+    work = tmp / "manifest_case"
+    shutil.copytree(artifact, work)
+    for _ in range(cases):
+        manifest = json.loads(json.dumps(base))
+        key = str(rng.choice(list(MANIFEST_FIELDS)))
+        values = MANIFEST_FIELDS[key]
+        manifest[key] = values[int(rng.integers(len(values)))]
+        (work / MANIFEST).write_text(json.dumps(manifest))
+        counts[outcome(lambda: load_manifest(work), must_refuse=True)] += 1
+    return counts
+
+
+def fuzz_artifact_files(rng: np.random.Generator, cases: int, artifact: Path, tmp: Path) -> Counter:
+    """A listed file damaged: refused by its size or sha256 before anything native reads it."""
+    from oscar_export.export.artifact import MANIFEST, load_manifest
+
+    names = sorted(json.loads((artifact / MANIFEST).read_text())["files"])
+    counts = Counter()
+    work = tmp / "file_case"
+    shutil.copytree(artifact, work)
+    for _ in range(cases):
+        name = names[int(rng.integers(len(names)))]
+        original = (artifact / name).read_bytes()
+        damaged = mutate_bytes(rng, original)
+        (work / name).write_bytes(damaged)
+        counts[outcome(lambda: load_manifest(work), must_refuse=damaged != original)] += 1
+        (work / name).write_bytes(original)
+    return counts
+
+
+NATIVE_CASE = """
+import hashlib, json, sys
+from pathlib import Path
+from oscar_export.config import OscarInputError
+from oscar_export.export.artifact import MANIFEST
+work, name = Path(sys.argv[1]), sys.argv[2]
+manifest = json.loads((work / MANIFEST).read_text())
+data = (work / name).read_bytes()
+manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+(work / MANIFEST).write_text(json.dumps(manifest))  # the manifest vouches for the damage: the loaders see it
+try:
+    from oscar_export.export.ort_runner import OrtLM
+    OrtLM(work, "onnxruntime" if name != "model_fallback.onnx" else "onnx-fallback", threads=1).prefill([1, 2, 3])
+except OscarInputError as err:
+    print("refused" if "\\n" not in str(err) else "traceback")
+except Exception:
+    print("traceback")
+else:
+    print("accepted")
+"""
+
+
+def fuzz_native_loads(rng: np.random.Generator, cases: int, artifact: Path, tmp: Path) -> Counter:
+    """Damaged .onnx files and op library with a manifest that matches them, loaded in a child process so
+    a crash is counted rather than fatal."""
+    counts = Counter()
+    names = [n for n in ("model.onnx", "model_fallback.onnx", "liboscar_ort.so") if (artifact / n).is_file()]
+    for i in range(cases):
+        work = tmp / f"native{i}"
+        shutil.copytree(artifact, work)
+        name = names[int(rng.integers(len(names)))]
+        data = (work / name).read_bytes()
+        (work / name).write_bytes(mutate_bytes(rng, data[:4096]) + data[4096:])  # the header region
+        proc = subprocess.run([sys.executable, "-c", NATIVE_CASE, str(work), name], capture_output=True, text=True,
+                              timeout=300)
+        counts["crash" if proc.returncode < 0 else (proc.stdout.strip().splitlines() or ["traceback"])[-1]] += 1
+        shutil.rmtree(work)
+    return counts
+
+
+def run(cases: int, seed: int, artifact: Path, tmp: Path, native_cases: int) -> dict[str, Counter]:
+    rng = np.random.default_rng(seed)
+    return {
+        "rotation files": fuzz_rotation_files(rng, cases, tmp),
+        "manifests": fuzz_manifests(rng, cases, artifact, tmp),
+        "artifact files": fuzz_artifact_files(rng, cases, artifact, tmp),
+        "native loads": fuzz_native_loads(rng, native_cases, artifact, tmp),
+    }
+
+
+def main() -> int:
+    import tempfile
+
+    p = argparse.ArgumentParser(description="Fuzz the files oscar-export reads.")
+    p.add_argument("--cases", type=int, default=500, help="cases per family (default %(default)s)")
+    p.add_argument("--native-cases", type=int, default=50, help="damaged native loads (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--artifact", type=Path, help="a laptop artifact (default: export the bundled model)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        artifact = args.artifact
+        if artifact is None:
+            from oscar_export.export.laptop import export_laptop
+
+            artifact = tmp / "artifact"
+            export_laptop("bundled", artifact, "hadamard", 256, float_weights=True)
+        results = run(args.cases, args.seed, artifact, tmp, args.native_cases)
+    bad = 0
+    for family, counts in results.items():
+        print(f"{family}: " + ", ".join(f"{key} {counts.get(key, 0)}" for key in OUTCOMES))
+        bad += sum(counts.get(key, 0) for key in ("traceback", "crash", "silent"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

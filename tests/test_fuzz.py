@@ -1,0 +1,28 @@
+"""The fuzz harness (tests/fuzz_inputs.py), a bounded share: damaged inputs are refused in one line, never a
+traceback, a crash or a silent pass. Many more cases on demand: python tests/fuzz_inputs.py --cases 2000."""
+
+import shutil
+
+import pytest
+
+from fuzz_inputs import OUTCOMES, run
+from oscar_export.native import ort_include_dir
+
+CASES, NATIVE_CASES = 60, 6
+
+
+def native_available() -> bool:
+    return shutil.which("cmake") is not None and shutil.which("g++") is not None and ort_include_dir()[0] is not None
+
+
+@pytest.mark.skipif("not native_available()", reason="the laptop artifact needs cmake, g++ and ONNX Runtime headers")
+def test_damaged_inputs_are_refused_never_crash(tmp_path):
+    from oscar_export.export.laptop import export_laptop
+
+    artifact = tmp_path / "artifact"
+    export_laptop("bundled", artifact, "hadamard", 256, float_weights=True)
+    results = run(CASES, seed=0, artifact=artifact, tmp=tmp_path, native_cases=NATIVE_CASES)
+    for family, counts in results.items():
+        print(f"{family}: " + ", ".join(f"{key} {counts.get(key, 0)}" for key in OUTCOMES))
+        assert not {key for key in ("traceback", "crash", "silent") if counts.get(key)}, (family, dict(counts))
+        assert counts["refused"] > 0, family  # the harness really damaged something
