@@ -1,5 +1,6 @@
 """A seeded fuzz harness for the files users hand us: rotation files, RotationZoo pickles, artifact
-manifests, artifact files (weights, tokenizer, op library, .onnx and .pte headers).
+manifests, artifact files (weights, tokenizer, op library, .onnx headers), and random calls into the native
+core's C API.
 
 Every case ends in one of:
 - "refused": a one-line OscarInputError (the expected answer to a damaged input);
@@ -201,6 +202,67 @@ def fuzz_native_loads(rng: np.random.Generator, cases: int, artifact: Path, tmp:
     return counts
 
 
+C_API_CASES = """
+import ctypes, json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from native_core_api import OscarAttentionConfig
+lib = ctypes.CDLL(sys.argv[2])
+rng, counts = np.random.default_rng(int(sys.argv[3])), {"refused": 0, "accepted": 0}
+for case in range(int(sys.argv[4])):
+    p_bad = 0.0 if case % 2 else 0.15  # every other call is valid, so the kernels run too
+    pick = lambda good, bad: int(rng.choice(good)) if rng.random() >= p_bad else int(rng.integers(*bad))
+    choose = lambda good, bad: float(rng.choice(good)) if rng.random() >= p_bad else float(rng.choice(bad))
+    kb, vb, cd = pick([2, 3, 4], (-1, 9)), pick([2, 3, 4], (-1, 9)), pick([32, 64, 128], (-1, 200))
+    cfg = OscarAttentionConfig(kb, vb, cd, pick([0, 2, 4], (-3, 40)), pick([0, 3, 8], (-3, 40)),
+                               choose([1.0, 0.9], [np.nan, 2.0]), choose([1.0, 0.8], [-1.0, np.inf]),
+                               choose([0.125], [np.inf, 0.0]), pick([1, 2], (-2, 100)), pick([0, 1, 2, 3], (-2, 9)))
+    hkv = pick([1, 2], (-1, 5)); hq = hkv * pick([1, 2, 4], (0, 3)); t = pick([1, 5], (-1, 30))
+    d = pick([cd * int(rng.choice([1, 2])) if cd in (32, 64) else 128], (-1, 300))
+    context = int(rng.integers(1, 41))  # valid capacities follow the placement rule for some context
+    s_, w_ = max(cfg.sink, 0), max(cfg.recent, 0)
+    valid_caps = [min(s_, context), min(w_, max(context - s_, 0)), max(context - s_ - w_, 0)]
+    caps = [pick([c], (-2, 64)) for c in valid_caps]
+    dims = [hq, hkv, t, d, *caps]
+    groups = hkv * caps[2] * (d // cd if cd > 0 else 0)
+    shapes = [hq*t*d, hkv*t*d, hkv*t*d, hkv*caps[0]*d, hkv*caps[0]*d, hkv*caps[1]*d, hkv*caps[1]*d,
+              hkv*caps[2]*d*max(kb, 0)//8, groups, groups, hkv*caps[2]*d*max(vb, 0)//8, groups, groups,
+              2**max(min(kb, 8), 0), 2**max(min(vb, 8), 0), hq*t*d]
+    shapes = [max(n, 0) if rng.random() >= p_bad else int(rng.integers(0, 64)) for n in shapes]
+    kinds = [np.float32, np.uint16, np.uint16] + [np.uint16] * 4 + [np.uint8, np.uint16, np.uint16] * 2
+    kinds += [np.float32, np.float32, np.float32]
+    # fp16 buffers hold real fp16 values; codes any byte; levels ascending (as a valid call needs).
+    buffers = [(rng.standard_normal(n) * 3).astype(np.float16).view(np.uint16) if k == np.uint16
+               else rng.integers(0, 256, n, np.uint8) if k == np.uint8 else (rng.standard_normal(n) * 3).astype(k)
+               for n, k in zip(shapes, kinds)]
+    for i in (13, 14):
+        buffers[i] = np.sort(rng.uniform(0, max(buffers[i].size - 1, 0), buffers[i].size)).astype(np.float32)
+    sink, recent = cfg.sink, cfg.recent
+    filled = max(min(sink, caps[0]) + min(recent, caps[1]) + caps[2] - max(t, 0), 0)
+    err = ctypes.create_string_buffer(256)
+    rc = lib.oscar_attention(ctypes.byref(cfg), (ctypes.c_int64 * 7)(*dims),
+                             (ctypes.c_void_p * 16)(*[b.ctypes.data for b in buffers]),
+                             (ctypes.c_int64 * 16)(*[b.size for b in buffers]), ctypes.c_int64(pick([int(rng.integers(0, filled + 1))], (-5, 80))),
+                             err, len(err))
+    counts["accepted" if rc == 0 else "refused"] += 1
+print(json.dumps(counts))
+"""
+
+
+def fuzz_c_api(seed: int, cases: int) -> Counter:
+    """Random configs, dims, buffer sizes and lengths into oscar_attention, in a child process: every call
+    returns 0 or an error, never touches memory past a buffer, never crashes."""
+    from oscar_export.native import core_library_path
+
+    proc = subprocess.run([sys.executable, "-c", C_API_CASES, str(Path(__file__).parent), str(core_library_path()),
+                           str(seed), str(cases)], capture_output=True, text=True, timeout=600)
+    if proc.returncode < 0:
+        return Counter({"crash": 1})
+    if proc.returncode:
+        return Counter({"traceback": 1})
+    return Counter(json.loads(proc.stdout.strip().splitlines()[-1]))
+
+
 def run(cases: int, seed: int, artifact: Path, tmp: Path, native_cases: int) -> dict[str, Counter]:
     rng = np.random.default_rng(seed)
     return {
@@ -208,6 +270,7 @@ def run(cases: int, seed: int, artifact: Path, tmp: Path, native_cases: int) -> 
         "manifests": fuzz_manifests(rng, cases, artifact, tmp),
         "artifact files": fuzz_artifact_files(rng, cases, artifact, tmp),
         "native loads": fuzz_native_loads(rng, native_cases, artifact, tmp),
+        "C API": fuzz_c_api(seed, cases * 10),
     }
 
 

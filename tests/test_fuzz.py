@@ -26,3 +26,4 @@ def test_damaged_inputs_are_refused_never_crash(tmp_path):
         print(f"{family}: " + ", ".join(f"{key} {counts.get(key, 0)}" for key in OUTCOMES))
         assert not {key for key in ("traceback", "crash", "silent") if counts.get(key)}, (family, dict(counts))
         assert counts["refused"] > 0, family  # the harness really damaged something
+    assert results["C API"]["accepted"] > 0  # valid calls ran the kernels too

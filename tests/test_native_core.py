@@ -7,7 +7,6 @@ Needs cmake and g++; the aarch64 test needs the Debian packages g++-aarch64-linu
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import subprocess
@@ -20,13 +19,13 @@ from safetensors.torch import load_file
 
 from native_cases import (GOLDEN, INDEX, VECTORS, Case, assert_final_cache, export_for_core_test, golden_case, random_case, rel_err,
                           same_bits)
+from native_core_api import Core, NativeError
 from oscar_export.codec import quantize
 from oscar_export.native import CORE_TEST, build_native, core_library_path
 
 if shutil.which("cmake") is None or shutil.which("g++") is None:
     pytest.skip("the native core needs cmake and g++ (Debian: apt-get install cmake g++)", allow_module_level=True)
 
-KERNELS = {"auto": 0, "dense": 1, "scalar": 2, "simd": 3}
 RANDOM_CASES = 1000
 
 
@@ -37,69 +36,6 @@ def single_threaded_reference():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-class OscarAttentionConfig(ctypes.Structure):
-    _fields_ = [("k_bits", ctypes.c_int32), ("v_bits", ctypes.c_int32), ("cluster_dim", ctypes.c_int32),
-                ("sink", ctypes.c_int64), ("recent", ctypes.c_int64), ("k_clip", ctypes.c_float),
-                ("v_clip", ctypes.c_float), ("scaling", ctypes.c_float), ("threads", ctypes.c_int32),
-                ("kernel", ctypes.c_int32)]
-
-
-class NativeError(Exception):
-    pass
-
-
-class Core:
-    """ctypes view of runtime_ops/core/oscar_c_api.h."""
-
-    def __init__(self, path):
-        self.lib = ctypes.CDLL(str(path))
-        p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-        self.lib.oscar_quantize_pack.argtypes = [p, i64, i64, i32, i32, f32, p, p, i64, p, p, i64, ctypes.c_char_p,
-                                                 ctypes.c_size_t]
-        self.lib.oscar_attention.argtypes = [ctypes.POINTER(OscarAttentionConfig), ctypes.POINTER(i64),
-                                             ctypes.POINTER(p), ctypes.POINTER(i64), i64, ctypes.c_char_p,
-                                             ctypes.c_size_t]
-
-    def _check(self, rc, err):
-        if rc:
-            raise NativeError(err.value.decode())
-
-    def quantize_pack(self, x: np.ndarray, bits, cluster_dim, clip=1.0, levels=None):
-        x = np.ascontiguousarray(x, np.float32)
-        rows, d = x.shape
-        codes = np.zeros((rows, d * bits // 8), np.uint8)
-        scale = np.zeros((rows, d // cluster_dim), np.float16)
-        zero = np.zeros_like(scale)
-        lv = None if levels is None else np.ascontiguousarray(levels, np.float32)
-        err = ctypes.create_string_buffer(512)
-        rc = self.lib.oscar_quantize_pack(x.ctypes.data, rows, d, bits, cluster_dim, clip,
-                                          None if lv is None else lv.ctypes.data, codes.ctypes.data, codes.size,
-                                          scale.ctypes.data, zero.ctypes.data, scale.size, err, len(err))
-        self._check(rc, err)
-        return codes, scale, zero
-
-    def attention(self, case: Case, cache: dict, q, k, v, length, threads=1, kernel="auto", dims=None):
-        """One op call; cache (Case.empty_cache layout) is updated in place. Returns out [Hq, T, D].
-
-        kernel: a KERNELS name, or a raw number (to test how a bad one is refused).
-        """
-        cfg = case.config
-        c = OscarAttentionConfig(cfg.k_bits, cfg.v_bits, cfg.cluster_dim, cfg.sink, cfg.recent, cfg.k_clip,
-                                 cfg.v_clip, case.scaling, threads, KERNELS.get(kernel, kernel))
-        out = np.zeros(q.shape, np.float32)
-        buffers = [q, k, v, *cache.values(), out]
-        assert all(b.flags.c_contiguous for b in buffers)
-        if dims is None:
-            dims = (q.shape[0], k.shape[0], q.shape[1], q.shape[2], cache["k_sink"].shape[1],
-                    cache["k_recent"].shape[1], cache["k_scale"].shape[1])
-        err = ctypes.create_string_buffer(512)
-        rc = self.lib.oscar_attention(ctypes.byref(c), (ctypes.c_int64 * 7)(*dims),
-                                      (ctypes.c_void_p * 16)(*[b.ctypes.data for b in buffers]),
-                                      (ctypes.c_int64 * 16)(*[b.size for b in buffers]), length, err, len(err))
-        self._check(rc, err)
-        return out
 
 
 @pytest.fixture(scope="module")
