@@ -106,7 +106,8 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
         "cluster_dim": config.cluster_dim,
         "calibration_tokens": tokens,
         "heldout_tokens": heldout_tokens,
-        "calibration_text": str(text_path),
+        # The bundled text by name: the shipped calibration must not carry the path of the machine that made it.
+        "calibration_text": "bundled heldout.txt" if Path(text_path) == default_text() else str(text_path),
         "calibration_text_sha256": text_sha256,
         "seconds": seconds,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -120,15 +121,16 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
 
 
 def calibrated_rotations(model_name: str, config: OscarConfig, text_path=None, tokens: int = DEFAULT_TOKENS,
-                         heldout_tokens: int = DEFAULT_HELDOUT_TOKENS) -> tuple[Path, bool]:
-    """A rotation file calibrated for this model, text and format: (path, reused). Calibrates on a miss."""
+                         heldout_tokens: int = DEFAULT_HELDOUT_TOKENS, store: Path | None = None) -> tuple[Path, bool]:
+    """A rotation file calibrated for this model, text and format: (path, reused). Calibrates on a miss and
+    stores the result in the cache directory, or at `store`."""
     from .models import BUNDLED_MODEL_DIR
     from .rotation_files import load_rotations, save_rotations
 
     text_path = Path(text_path) if text_path is not None else default_text()
     _, text_sha256 = read_text(text_path)
     key = cache_key(model_name, text_sha256, tokens, heldout_tokens, config)
-    candidates = [cache_dir() / f"{key[:32]}.safetensors"]
+    candidates = [store or cache_dir() / f"{key[:32]}.safetensors"]
     if model_name == "bundled":
         candidates.insert(0, BUNDLED_MODEL_DIR / SHIPPED_FILE)
     for path in candidates:
@@ -137,35 +139,28 @@ def calibrated_rotations(model_name: str, config: OscarConfig, text_path=None, t
                 return path, True
         except OscarInputError:  # a damaged cache entry is calibrated again and replaced
             pass
-    rotation_set, _ = run_calibration(model_name, config, text_path, tokens, heldout_tokens)
-    rotation_set.metadata["cache_key"] = key
     path = candidates[-1]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise OscarInputError(f"calibration cache {str(path.parent)!r}: cannot create ({err.strerror or err}): "
                               f"expected a writable directory (set OSCAR_EXPORT_CACHE)") from None
+    rotation_set, _ = run_calibration(model_name, config, text_path, tokens, heldout_tokens)
+    rotation_set.metadata["cache_key"] = key
     save_rotations(path, rotation_set)
     return path, False
 
 
 def write_shipped_calibration() -> Path:
-    """Calibrate the bundled model for the default export (2-bit, its default group) and store the file beside
-    its weights, keyed like the cache, so the default export reuses it. The training script calls this."""
+    """Calibrate the bundled model for the default export (2-bit, its default group) into the file beside its
+    weights, keyed like the cache, so the default export reuses it. The training script calls this."""
     from .config import default_cluster_dim
     from .models import BUNDLED_MODEL_DIR, model_shape
-    from .rotation_files import save_rotations
 
-    config = OscarConfig(cluster_dim=default_cluster_dim(model_shape("bundled").head_dim))
-    text_path = default_text()
-    _, text_sha256 = read_text(text_path)
-    rotation_set, _ = run_calibration("bundled", config, text_path, DEFAULT_TOKENS, DEFAULT_HELDOUT_TOKENS)
-    rotation_set.metadata["cache_key"] = cache_key("bundled", text_sha256, DEFAULT_TOKENS, DEFAULT_HELDOUT_TOKENS,
-                                                   config)
-    rotation_set.metadata["calibration_text"] = "bundled heldout.txt"  # not this machine's path
     path = BUNDLED_MODEL_DIR / SHIPPED_FILE
-    save_rotations(path, rotation_set)
-    return path
+    path.unlink(missing_ok=True)  # recalibrate even if the old file still matches
+    config = OscarConfig(cluster_dim=default_cluster_dim(model_shape("bundled").head_dim))
+    return calibrated_rotations("bundled", config, store=path)[0]
 
 
 if __name__ == "__main__":

@@ -48,6 +48,11 @@ def ort_include_dir() -> tuple[Path | None, str]:
     return Path(out.strip().splitlines()[-1]), ""
 
 
+def ort_op_buildable() -> bool:
+    """Whether liboscar_ort.so can be built here: cmake, g++ and the ONNX Runtime headers."""
+    return shutil.which("cmake") is not None and shutil.which("g++") is not None and ort_include_dir()[0] is not None
+
+
 def executorch_dir() -> tuple[Path | None, str]:
     """(the installed executorch package, "") or (None, why the ExecuTorch library cannot be built)."""
     spec = importlib.util.find_spec("executorch")

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from oscar_export.native import ort_op_buildable
+
 
 
 def run(*args):
@@ -130,15 +132,7 @@ def test_head_dim_32_calibrates_and_plans_with_no_flag(head_dim_32_checkpoint, t
     assert torch.equal(load_rotations(again).k, load_rotations(rot).k)
 
 
-def native_available() -> bool:
-    import shutil
-
-    from oscar_export.native import ort_include_dir
-
-    return shutil.which("cmake") is not None and shutil.which("g++") is not None and ort_include_dir()[0] is not None
-
-
-@pytest.mark.skipif("not native_available()", reason="the laptop export needs cmake, g++ and ONNX Runtime headers")
+@pytest.mark.skipif(not ort_op_buildable(), reason="the laptop export needs cmake, g++ and ONNX Runtime headers")
 def test_head_dim_32_exports_with_no_flag(head_dim_32_checkpoint, tmp_path):
     r = run("--target", "laptop", "--model", str(head_dim_32_checkpoint), "--context", "256", "--float-weights",
             "--out", str(tmp_path / "artifact"), "--json")

@@ -1,21 +1,15 @@
 """The fuzz harness (tests/fuzz_inputs.py), a bounded share: damaged inputs are refused in one line, never a
 traceback, a crash or a silent pass. Many more cases on demand: python tests/fuzz_inputs.py --cases 2000."""
 
-import shutil
-
 import pytest
 
 from fuzz_inputs import OUTCOMES, run
-from oscar_export.native import ort_include_dir
+from oscar_export.native import ort_op_buildable
 
 CASES, NATIVE_CASES = 60, 6
 
 
-def native_available() -> bool:
-    return shutil.which("cmake") is not None and shutil.which("g++") is not None and ort_include_dir()[0] is not None
-
-
-@pytest.mark.skipif("not native_available()", reason="the laptop artifact needs cmake, g++ and ONNX Runtime headers")
+@pytest.mark.skipif(not ort_op_buildable(), reason="the laptop artifact needs cmake, g++ and ONNX Runtime headers")
 def test_damaged_inputs_are_refused_never_crash(tmp_path):
     from oscar_export.export.laptop import export_laptop
 

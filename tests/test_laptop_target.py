@@ -25,18 +25,14 @@ from oscar_export.export.onnx_export import DOMAIN, INPUTS, OP, make_fallback  #
 from oscar_export.export.ort_runner import OrtLM  # noqa: E402
 from oscar_export.hf_cache import OscarCache, patch_model_for_kv_quant  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
-from oscar_export.native import ort_include_dir  # noqa: E402
+from oscar_export.native import ort_op_buildable  # noqa: E402
 
 PROMPT, STEPS, CONTEXT = 100, 64, 200
 WINDOWS = dict(sink=16, recent=32)  # the 100-token prompt puts 52 tokens in the packed body
 CONFIG = dict(k_bits=2, v_bits=2, cluster_dim=64, **WINDOWS)
 
 
-def native_available() -> bool:
-    return shutil.which("cmake") is not None and shutil.which("g++") is not None and ort_include_dir()[0] is not None
-
-
-needs_native = pytest.mark.skipif("not native_available()", reason="liboscar_ort.so needs cmake, g++ and ORT headers")
+needs_native = pytest.mark.skipif("not ort_op_buildable()", reason="liboscar_ort.so needs cmake, g++ and ORT headers")
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -68,7 +64,7 @@ def reference(prompt):
 
 @pytest.fixture(scope="module")
 def float_artifact(tmp_path_factory):
-    if not native_available():
+    if not ort_op_buildable():
         pytest.skip("liboscar_ort.so needs cmake, g++ and ORT headers")
     out = tmp_path_factory.mktemp("laptop") / "float"
     export_laptop("bundled", out, "hadamard", CONTEXT, float_weights=True, **CONFIG)
