@@ -1,6 +1,5 @@
 import pytest
 import torch
-import torch.nn.functional as F
 
 from oscar_export.calibrate import (
     ObjectiveAccumulators,

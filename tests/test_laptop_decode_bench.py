@@ -7,8 +7,6 @@ import torch
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-from test_laptop_target import native_available  # noqa: E402
-
 from oscar_export.cache import cache_bytes  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
@@ -16,6 +14,7 @@ from oscar_export.export.graph import OscarCausalLM  # noqa: E402
 from oscar_export.export.ort_decode_bench import Fp32Decoder, bench_decode, fill_oscar_cache, fp32_decoder  # noqa: E402
 from oscar_export.export.ort_runner import OrtLM  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
+from oscar_export.native import ort_op_buildable  # noqa: E402
 
 CONTEXT, STEPS = 1024, 6
 
@@ -27,7 +26,7 @@ def bundled():
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    if not native_available():
+    if not ort_op_buildable():
         pytest.skip("liboscar_ort.so needs cmake, g++ and ORT headers")
     work = tmp_path_factory.mktemp("decode")
     return bench_decode([CONTEXT], steps=STEPS, threads=1, work_dir=work), work
