@@ -1,10 +1,13 @@
 """Build the native kernels in runtime_ops/ (C++ core, ONNX Runtime and ExecuTorch op libraries) with CMake.
 
-build_native() configures and builds into build/native[-asan|-aarch64] at the repository root;
-a second call with nothing changed only asks the build tool, which returns at once. The ONNX
-Runtime library needs the ORT C/C++ headers, which the pip wheel lacks:
-runtime_ops/onnxruntime/fetch_ort_headers.sh fetches them (or honours ORT_INCLUDE_DIR). The
-ExecuTorch library builds against the installed executorch wheel's headers and libexecutorch.so.
+The sources are the repository's runtime_ops/ in a source checkout, else the copy an installed
+package ships as oscar_export/runtime_ops/ (setup.py). build_native() configures and builds into
+build_root()/native[-asan|-aarch64]: build/ at the repository root, else a per-user cache
+($OSCAR_EXPORT_CACHE, $XDG_CACHE_HOME/oscar-export or ~/.cache/oscar-export). A second call with
+nothing changed only asks the build tool, which returns at once. The ONNX Runtime library needs
+the ORT C/C++ headers, which the pip wheel lacks: runtime_ops/onnxruntime/fetch_ort_headers.sh
+fetches them into build_root()/ort-headers (or honours ORT_INCLUDE_DIR). The ExecuTorch library
+builds against the installed executorch wheel's headers and libexecutorch.so.
 """
 
 from __future__ import annotations
@@ -12,14 +15,18 @@ from __future__ import annotations
 import fcntl
 import functools
 import importlib.util
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
+from .calibrations import cache_dir
 from .config import OscarInputError
 
-ROOT = Path(__file__).resolve().parent.parent
-SOURCES = ROOT / "runtime_ops"
+PACKAGE = Path(__file__).resolve().parent
+ROOT = PACKAGE.parent  # the repository in a source checkout; site-packages when installed
+CHECKOUT = (ROOT / "runtime_ops" / "CMakeLists.txt").is_file()
+SOURCES = ROOT / "runtime_ops" if CHECKOUT else PACKAGE / "runtime_ops"
 TARGETS = (None, "aarch64")
 BUILD_JOBS = "2"  # the build shares small machines; more jobs buy little for five files
 ORT_LIBRARY = "liboscar_ort.so"
@@ -29,8 +36,15 @@ CORE_LIBRARY = "liboscar_core_c.so"
 CORE_TEST = "oscar_core_test"
 
 
-def _run(cmd: list[str], what: str) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+def build_root() -> Path:
+    """The folder that holds the native build directories (native, native-asan, native-aarch64) and the
+    fetched ONNX Runtime headers: <repository>/build in a source checkout, else the per-user cache the
+    calibrations use (an installed package's folder may be read-only and is shared by every user)."""
+    return ROOT / "build" if CHECKOUT else cache_dir()
+
+
+def _run(cmd: list[str], what: str, env: dict | None = None) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-30:]
         raise RuntimeError(f"{what} failed (exit {proc.returncode}): {' '.join(cmd)}\n" + "\n".join(tail))
@@ -41,8 +55,10 @@ def _run(cmd: list[str], what: str) -> str:
 def ort_include_dir() -> tuple[Path | None, str]:
     """(ONNX Runtime include directory, "") or (None, why it is unavailable); asked once per process."""
     script = SOURCES / "onnxruntime" / "fetch_ort_headers.sh"
+    # The script's own default (next to the sources) is inside the package when installed.
+    env = {**os.environ, "ORT_HEADERS_DEST": os.environ.get("ORT_HEADERS_DEST") or str(build_root() / "ort-headers")}
     try:
-        out = _run(["bash", str(script)], "fetching the ONNX Runtime headers")
+        out = _run(["bash", str(script)], "fetching the ONNX Runtime headers", env)
     except RuntimeError as exc:
         return None, f"{exc}\nSet ORT_INCLUDE_DIR to a directory holding onnxruntime_c_api.h to skip the fetch."
     return Path(out.strip().splitlines()[-1]), ""
@@ -97,13 +113,16 @@ def build_native(build_dir: str | Path | None = None, sanitize: bool = False, ta
     if target not in TARGETS:
         raise OscarInputError(f"target={target!r}: expected one of {TARGETS}")
     if not (SOURCES / "CMakeLists.txt").is_file():
-        raise RuntimeError(f"native sources not found at {SOURCES}: build_native needs a source checkout "
-                           "of oscar-export")
+        raise RuntimeError(f"native sources not found at {SOURCES}: expected a source checkout of oscar-export "
+                           "or an installed wheel that ships oscar_export/runtime_ops/; reinstall oscar-export")
     cmake = shutil.which("cmake")
     if cmake is None:
         raise RuntimeError("cmake not found on PATH: install cmake >= 3.16 and a C++17 compiler (Debian: cmake g++)")
+    if target is None and not os.environ.get("CXX") and not any(map(shutil.which, ("g++", "c++", "clang++"))):
+        raise RuntimeError("no C++ compiler found (g++, c++ or clang++ on PATH, or $CXX): install a C++17 compiler "
+                           "(Debian: g++)")
     suffix = ("-asan" if sanitize else "") + (f"-{target}" if target else "")
-    build_dir = Path(build_dir) if build_dir is not None else ROOT / "build" / f"native{suffix}"
+    build_dir = Path(build_dir) if build_dir is not None else build_root() / f"native{suffix}"
 
     args = [f"-DOSCAR_SANITIZE={'ON' if sanitize else 'OFF'}"]
     if target == "aarch64":
@@ -123,8 +142,12 @@ def build_native(build_dir: str | Path | None = None, sanitize: bool = False, ta
     with open(build_dir / ".lock", "w") as lock:  # other test processes may build the same directory
         fcntl.flock(lock, fcntl.LOCK_EX)
         stamp = build_dir / ".oscar-configure"
-        wanted = "\n".join(args)
-        if not (build_dir / "CMakeCache.txt").is_file() or not stamp.is_file() or stamp.read_text() != wanted:
+        wanted = "\n".join([str(SOURCES), *args])
+        done = stamp.read_text() if stamp.is_file() else ""
+        if not (build_dir / "CMakeCache.txt").is_file() or done != wanted:
+            if done.split("\n", 1)[0] != str(SOURCES):
+                # CMake refuses a build directory configured for other sources (another install sharing the cache).
+                (build_dir / "CMakeCache.txt").unlink(missing_ok=True)
             _run([cmake, "-S", str(SOURCES), "-B", str(build_dir), *args], "cmake configure")
             stamp.write_text(wanted)
         _run([cmake, "--build", str(build_dir), "-j", BUILD_JOBS], "cmake build")
