@@ -18,7 +18,7 @@ class BuildPyWithNativeSources(build_py):
             return
         dest = Path(self.build_lib) / "oscar_export" / "runtime_ops"
         shutil.rmtree(dest, ignore_errors=True)  # no file removed from runtime_ops/ lingers in build/
-        shutil.copytree(SOURCES, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        shutil.copytree(SOURCES, dest)
 
 
 setup(cmdclass={"build_py": BuildPyWithNativeSources})
