@@ -4,9 +4,7 @@
 # wheel into a fresh venv in a temporary folder, and from there builds the native op library from the
 # shipped runtime_ops/ and runs info, plan, a laptop export and a run. The dependencies are .venv's,
 # not reinstalled. One line per step; a failed step prints its output's tail and the script exits non-zero.
-set -euo pipefail
-cd "$(dirname "$0")/.."
-ROOT="$PWD"
+source "$(dirname "$0")/venv.sh"  # .venv with the dependencies; sets ROOT and cd's there
 PY="$ROOT/.venv/bin/python"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
