@@ -12,3 +12,15 @@ def calibration_cache(tmp_path_factory):
     """Calibrations made by the tests (--rotations calibrate with non-default flags) stay out of the user's cache;
     subprocesses inherit the variable."""
     os.environ["OSCAR_EXPORT_CACHE"] = str(tmp_path_factory.mktemp("calibrations"))
+
+
+@pytest.fixture(scope="module")
+def single_threaded():
+    """One torch thread for a module (pytestmark = pytest.mark.usefixtures("single_threaded")): its tensors are
+    small, and more threads spin-wait in OpenMP on busy cores."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

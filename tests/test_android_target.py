@@ -37,13 +37,7 @@ def native_available() -> bool:
 if not native_available():
     pytest.skip("liboscar_executorch.so needs cmake, g++ and the executorch wheel", allow_module_level=True)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def single_threaded():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
 @pytest.fixture(scope="module")

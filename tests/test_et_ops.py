@@ -8,7 +8,6 @@ same replay runs against an AddressSanitizer + UBSan build in a child process.
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -18,13 +17,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from native_cases import CACHE_INPUTS, GOLDEN, Case, assert_final_cache, golden_case, random_case, rel_err, same_bits
+from backends import BACKEND, et_attributes, et_kernel, replay
+from native_cases import CACHE_INPUTS, GOLDEN, assert_final_cache, golden_case, random_case, same_bits
 
 pytest.importorskip("executorch.extension.pybindings.portable_lib")
 
-from oscar_export.native import EXECUTORCH_INVOKE, build_native, executorch_dir  # noqa: E402
+from oscar_export.native import build_native, executorch_dir  # noqa: E402
 
 if shutil.which("cmake") is None or shutil.which("g++") is None:
     pytest.skip("liboscar_executorch.so needs cmake and g++ (Debian: apt-get install cmake g++)",
@@ -32,81 +31,13 @@ if shutil.which("cmake") is None or shutil.which("g++") is None:
 if executorch_dir()[0] is None:
     pytest.skip(f"liboscar_executorch.so cannot be built: {executorch_dir()[1]}", allow_module_level=True)
 
+pytestmark = pytest.mark.usefixtures("single_threaded")
 RANDOM_CASES = 1000
-NAMES = ("q", "k_new", "v_new", *CACHE_INPUTS, "length", "out")
-# ExecuTorch ScalarType codes.
-SCALAR_TYPES = {np.dtype(np.uint8): 0, np.dtype(np.int64): 4, np.dtype(np.float16): 5, np.dtype(np.float32): 6}
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_threaded_reference():
-    """The reference works on tiny tensors: one torch thread avoids OpenMP spin-waits on busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-class Kernel:
-    """oscar::attention.out as registered in ExecuTorch, called through the test hook."""
-
-    def __init__(self, build_dir: Path):
-        from oscar_export.export.et_runner import kernel_error, load_kernels
-
-        load_kernels(build_dir / "liboscar_executorch.so")
-        self.error = kernel_error
-        self.hook = ctypes.CDLL(str(build_dir / EXECUTORCH_INVOKE))
-        p = ctypes.POINTER
-        self.hook.oscar_et_invoke.argtypes = [p(ctypes.c_void_p), p(ctypes.c_int32), p(ctypes.c_int32),
-                                              p(ctypes.c_int64), p(ctypes.c_int64), p(ctypes.c_double)]
-
-    def __call__(self, feeds: dict[str, np.ndarray], attrs: tuple) -> np.ndarray:
-        """Run on the buffers in `feeds` (cache written in place); raises with the kernel's message."""
-        q = feeds["q"]
-        out = np.full(q.shape if q.ndim == 3 else (1,), np.nan, np.float32)
-        arrays = [feeds[name] for name in NAMES[:-1]] + [out]
-        for a in arrays:
-            assert a.flags.c_contiguous
-        n = len(arrays)
-        ptrs = (ctypes.c_void_p * n)(*[a.ctypes.data for a in arrays])
-        dtypes = (ctypes.c_int32 * n)(*[SCALAR_TYPES[a.dtype] for a in arrays])
-        ranks = (ctypes.c_int32 * n)(*[a.ndim for a in arrays])
-        dims = (ctypes.c_int64 * (3 * n))(*[d for a in arrays for d in (list(a.shape) + [1, 1, 1])[:3]])
-        ints = (ctypes.c_int64 * 5)(*attrs[:5])
-        floats = (ctypes.c_double * 3)(*attrs[5:])
-        rc = self.hook.oscar_et_invoke(ptrs, dtypes, ranks, dims, ints, floats)
-        if rc:
-            raise RuntimeError(f"error 0x{rc:x}: {self.error()}")
-        return out
-
-
-def attributes(case: Case) -> tuple:
-    cfg = case.config
-    return (cfg.k_bits, cfg.v_bits, cfg.cluster_dim, cfg.sink, cfg.recent, float(np.float32(cfg.k_clip)),
-            float(np.float32(cfg.v_clip)), case.scaling)
-
-
-def replay(kernel: Kernel, case: Case) -> tuple[float, dict]:
-    cache, length, worst = case.empty_cache(), 0, 0.0
-    for (q, k, v), want in zip(case.chunks, case.outputs):
-        feeds = dict(cache, q=np.ascontiguousarray(q), k_new=np.ascontiguousarray(k), v_new=np.ascontiguousarray(v),
-                     length=np.array([length], np.int64))
-        worst = max(worst, rel_err(kernel(feeds, attributes(case)), want))
-        length += q.shape[1]
-    return worst, cache
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    return Kernel(build_native())
-
-
-@pytest.mark.parametrize("name", GOLDEN)
-def test_golden_replay(kernel, name):
-    case = golden_case(name)
-    worst, cache = replay(kernel, case)
-    assert worst <= 1e-3, f"{name}: attention relative error {worst:.3g}"
-    assert_final_cache(case, cache)
+    return et_kernel()
 
 
 def test_random_cases_match_the_reference(kernel):
@@ -114,7 +45,7 @@ def test_random_cases_match_the_reference(kernel):
     worst = 0.0
     for i in range(RANDOM_CASES):
         case = random_case(rng, i)
-        err, cache = replay(kernel, case)
+        err, cache = replay(BACKEND["executorch"], case, kernel=kernel)
         assert err <= 1e-3, f"{case.name} ({case.config}): relative error {err:.3g}"
         assert_final_cache(case, cache)
         worst = max(worst, err)
@@ -134,7 +65,7 @@ def golden_feeds():
 def expect_error(kernel, case, feeds, pattern):
     before = {name: a.copy() for name, a in feeds.items()}
     with pytest.raises(RuntimeError, match=pattern):
-        kernel(feeds, attributes(case))
+        kernel(feeds, et_attributes(case))
     for name in CACHE_INPUTS:  # nothing was written
         assert same_bits(feeds[name], before[name]), name
 
@@ -177,14 +108,14 @@ from pathlib import Path
 import numpy as np
 sys.path.insert(0, sys.argv[2])
 from native_cases import GOLDEN, golden_case, random_case, assert_final_cache
-from test_et_ops import Kernel, replay
+from backends import BACKEND, Kernel, replay
 kernel = Kernel(Path(sys.argv[1]))
 worst = 0.0
 cases = [golden_case(n) for n in GOLDEN]
 rng = np.random.default_rng(5)
 cases += [random_case(rng, i) for i in range(int(sys.argv[3]))]
 for case in cases:
-    err, cache = replay(kernel, case)
+    err, cache = replay(BACKEND["executorch"], case, kernel=kernel)
     assert err <= 1e-3, (case.name, err)
     assert_final_cache(case, cache)
     worst = max(worst, err)

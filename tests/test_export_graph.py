@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from backends import BACKEND, replay
 from model_checks import assert_within_bounds, body_mismatches
-from native_cases import GOLDEN, golden_case, random_case, rel_err, same_bits
+from native_cases import GOLDEN, assert_final_cache, golden_case, random_case
 from oscar_export import OscarConfig
 from oscar_export.config import OscarInputError
 from oscar_export.export.graph import CACHE_NAMES, OscarCausalLM, greedy
@@ -16,61 +17,19 @@ from tiny_models import FAMILIES, tiny_model
 
 PROMPT, STEPS, CONTEXT = 100, 64, 200
 WINDOWS = dict(sink=16, recent=32)  # a 100-token prompt puts 52 tokens in the packed body
+pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_threaded():
-    """Small tensors: one torch thread avoids OpenMP spin-waits on busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-# -- the op -------------------------------------------------------------------------------------
-
-
-def replay_op(case, variant: str):
-    """Run a case's chunks through one variant of oscar::attention; returns (worst rel error, final cache)."""
-    cache = {name: torch.from_numpy(a) for name, a in case.empty_cache().items()}
-    cfg = case.config
-    attrs = (cfg.k_bits, cfg.v_bits, cfg.cluster_dim, cfg.sink, cfg.recent, cfg.k_clip, cfg.v_clip, case.scaling)
-    worst, length = 0.0, 0
-    for (q, k, v), want in zip(case.chunks, case.outputs):
-        args = (torch.from_numpy(q), torch.from_numpy(k), torch.from_numpy(v), *(cache[n] for n in CACHE_NAMES),
-                cache["k_levels"], cache["v_levels"], torch.tensor([length]), *attrs)
-        if variant == "functional":
-            before = {n: cache[n].clone() for n in CACHE_NAMES}
-            out, *updated = torch.ops.oscar.attention_functional(*args)
-            assert all(torch.equal(before[n], cache[n]) for n in CACHE_NAMES), "functional variant wrote its inputs"
-            cache.update(zip(CACHE_NAMES, updated))
-        elif variant == "out":
-            out = torch.empty(q.shape)
-            assert torch.ops.oscar.attention.out(*args, out=out) is out
-        else:
-            out = torch.ops.oscar.attention(*args)
-        worst = max(worst, rel_err(out.numpy(), want))
-        length += q.shape[1]
-    return worst, {n: cache[n].numpy() for n in CACHE_NAMES}
-
-
-@pytest.mark.parametrize("variant", ["inplace", "out", "functional"])
-@pytest.mark.parametrize("name", GOLDEN)
-def test_op_replays_the_golden_vectors(name, variant):
-    case = golden_case(name)
-    worst, cache = replay_op(case, variant)
-    assert worst <= 1e-5, f"{name}: relative error {worst:.3g}"
-    for region, want in case.final.items():
-        assert same_bits(cache[region], want), f"{name}: {region} differs"
+# -- the op (its golden-vector replays: tests/test_conformance.py) --------------------------------
 
 
 def test_op_matches_random_reference_sequences():
     rng = np.random.default_rng(7)
     for i in range(40):
         case = random_case(rng, i)
-        worst, cache = replay_op(case, "inplace")
+        worst, cache = replay(BACKEND["torch-inplace"], case)
         assert worst <= 1e-5, f"{case.name} ({case.config})"
-        assert all(same_bits(cache[n], w) for n, w in case.final.items()), f"{case.name} ({case.config})"
+        assert_final_cache(case, cache)
 
 
 def test_op_names_a_wrong_buffer():

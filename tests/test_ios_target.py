@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from native_cases import GOLDEN, golden_case, random_case, rel_err, same_bits
+from backends import BACKEND, replay
+from native_cases import assert_final_cache, random_case
 
 ct = pytest.importorskip("coremltools")
 
@@ -20,10 +21,9 @@ from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig, OscarInputError  # noqa: E402
 from oscar_export.export import coreml  # noqa: E402
 from oscar_export.export import coreml_ops  # noqa: E402
-from oscar_export.export.coreml_ops import ROW_NAMES, apply_rows, attention_rows  # noqa: E402
 from oscar_export.export.artifact import eager_module, load_manifest  # noqa: E402
 from oscar_export.export.coreml_runner import CoreMLLM, coreml_available, load  # noqa: E402
-from oscar_export.export.graph import CACHE_NAMES, OscarCausalLM  # noqa: E402
+from oscar_export.export.graph import OscarCausalLM  # noqa: E402
 from oscar_export.export.ios import cache_bits_per_element, reference_trace  # noqa: E402
 from oscar_export.export.mil_eval import MilProgram, saved_program, weights  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
@@ -60,40 +60,16 @@ def body_codes_mismatches(lm: CoreMLLM, reference: dict, artifact) -> dict[str, 
     return body_mismatches(pairs, {kind: config[f"{kind}_bits"] for kind in "kv"})
 
 
-# -- the composition alone: bit-exact with the reference op --------------------------------------
-
-
-def replay(case):
-    """A case's chunks through attention_rows + apply_rows, codes held as int32 words."""
-    cache = case.empty_cache()
-    levels = {kind: torch.from_numpy(cache.pop(f"{kind}_levels")) for kind in "kv"}
-    for kind in "kv":
-        cache[f"{kind}_codes"] = cache[f"{kind}_codes"].view(np.int32).copy()
-    cfg, n0, worst = case.config, 0, 0.0
-    for (q, k, v), want in zip(case.chunks, case.outputs):
-        out, *rows = attention_rows(
-            *(torch.from_numpy(x) for x in (q, k, v)), *(torch.from_numpy(cache[name]) for name in CACHE_NAMES),
-            levels["k"], levels["v"], torch.tensor([n0], dtype=torch.int32), cfg.k_bits, cfg.v_bits,
-            cfg.cluster_dim, cfg.sink, cfg.recent, cfg.k_clip, cfg.v_clip, case.scaling)
-        apply_rows(cache, {name: r.numpy() for name, r in zip(ROW_NAMES, rows)}, n0, cfg.sink, cfg.recent)
-        worst, n0 = max(worst, rel_err(out.numpy(), want)), n0 + q.shape[1]
-    for kind in "kv":
-        cache[f"{kind}_codes"] = cache[f"{kind}_codes"].view(np.uint8)
-    return worst, [name for name, want in case.final.items() if not same_bits(cache[name], want)]
-
-
-def test_composition_replays_the_golden_vectors():
-    for name in GOLDEN:
-        worst, differ = replay(golden_case(name))
-        assert worst <= 1e-4 and not differ, f"{name}: relative error {worst:.3g}, {differ} differ"
+# -- the composition alone: bit-exact with the reference op (golden vectors: tests/test_conformance.py) ------
 
 
 def test_composition_matches_random_reference_sequences():
     rng = np.random.default_rng(5)
     for i in range(12):
         case = random_case(rng, i)
-        worst, differ = replay(case)
-        assert worst <= 1e-4 and not differ, f"{case.name} ({case.config}): {worst:.3g}, {differ} differ"
+        worst, cache = replay(BACKEND["coreml-rows"], case)
+        assert worst <= 1e-4, f"{case.name} ({case.config}): {worst:.3g}"
+        assert_final_cache(case, cache)
 
 
 def test_int32_words_unpack_every_bit_pattern():

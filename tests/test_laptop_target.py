@@ -12,16 +12,17 @@ import pytest
 import torch
 
 from model_checks import BOUNDS, assert_within_bounds, body_mismatches
-from native_cases import GOLDEN, golden_case, random_case, rel_err, same_bits
+from backends import BACKEND, replay
+from native_cases import assert_final_cache, random_case
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
-from onnx import TensorProto, helper  # noqa: E402
+from onnx import TensorProto  # noqa: E402
 
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.export.graph import CACHE_NAMES  # noqa: E402
 from oscar_export.export.laptop import export_laptop  # noqa: E402
-from oscar_export.export.onnx_export import DOMAIN, INPUTS, OP, make_fallback  # noqa: E402
+from oscar_export.export.onnx_export import DOMAIN, OP  # noqa: E402
 from oscar_export.export.ort_runner import OrtLM  # noqa: E402
 from oscar_export.hf_cache import OscarCache, patch_model_for_kv_quant  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
@@ -33,14 +34,7 @@ CONFIG = dict(k_bits=2, v_bits=2, cluster_dim=64, **WINDOWS)
 
 
 needs_native = pytest.mark.skipif("not ort_op_buildable()", reason="liboscar_ort.so needs cmake, g++ and ORT headers")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_threaded():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
 @pytest.fixture(scope="module")
@@ -126,50 +120,16 @@ def test_graph_layout(float_artifact):
     assert len(fallback.graph.output) == 1 + 4 * len(CACHE_NAMES) and len(fallback.functions) == 1
 
 
-# -- the fallback function alone: bit-exact with the reference ---------------------------------
-
-
-def fallback_session(case):
-    """One OscarAttentionFunctional node (through make_fallback) for a case's cache layout."""
-    cache = case.empty_cache()
-    types = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
-             np.dtype(np.uint8): TensorProto.UINT8}
-    inputs = [helper.make_tensor_value_info(name, types[cache[name].dtype], cache[name].shape) if name in cache
-              else helper.make_tensor_value_info(name, {"q": TensorProto.FLOAT, "length": TensorProto.INT64}.get(
-                  name, TensorProto.FLOAT16), None) for name in INPUTS]
-    cfg = case.config
-    node = helper.make_node(OP, list(INPUTS), ["out"], domain=DOMAIN, k_bits=cfg.k_bits, v_bits=cfg.v_bits,
-                            cluster_dim=cfg.cluster_dim, sink=cfg.sink, recent=cfg.recent, k_clip=cfg.k_clip,
-                            v_clip=cfg.v_clip, scaling=case.scaling)
-    graph = helper.make_graph([node], "one", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
-    model = make_fallback(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
-                                                                  helper.make_opsetid(DOMAIN, 1)]))
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
-def replay_fallback(case):
-    session, cache, length, worst = fallback_session(case), case.empty_cache(), 0, 0.0
-    for (q, k, v), want in zip(case.chunks, case.outputs):
-        out, *updated = session.run(None, dict(cache, q=q, k_new=k, v_new=v, length=np.array([length], np.int64)))
-        cache.update(zip(CACHE_NAMES, updated))
-        worst, length = max(worst, rel_err(out, want)), length + q.shape[1]
-    return worst, [name for name, want in case.final.items() if not same_bits(cache[name], want)]
-
-
-def test_fallback_function_replays_the_golden_vectors():
-    for name in GOLDEN:
-        worst, differ = replay_fallback(golden_case(name))
-        assert worst <= 1e-4 and not differ, f"{name}: relative error {worst:.3g}, {differ} differ"
+# -- the fallback function alone: bit-exact with the reference (golden vectors: tests/test_conformance.py) --
 
 
 def test_fallback_function_matches_random_reference_sequences():
     rng = np.random.default_rng(11)
     for i in range(40):
         case = random_case(rng, i)
-        worst, differ = replay_fallback(case)
-        assert worst <= 1e-4 and not differ, f"{case.name} ({case.config}): {worst:.3g}, {differ} differ"
+        worst, cache = replay(BACKEND["onnx-fallback"], case)
+        assert worst <= 1e-4, f"{case.name} ({case.config}): {worst:.3g}"
+        assert_final_cache(case, cache)
 
 
 # -- the command line ---------------------------------------------------------------------------

@@ -17,44 +17,27 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from native_cases import (GOLDEN, INDEX, VECTORS, Case, assert_final_cache, export_for_core_test, golden_case, random_case, rel_err,
+from backends import BACKEND, native_core, replay
+from native_cases import (GOLDEN, INDEX, VECTORS, assert_final_cache, export_for_core_test, golden_case, random_case,
                           same_bits)
-from native_core_api import Core, NativeError
+from native_core_api import NativeError
 from oscar_export.codec import quantize
-from oscar_export.native import CORE_TEST, build_native, core_library_path
+from oscar_export.native import CORE_TEST, build_native
 
 if shutil.which("cmake") is None or shutil.which("g++") is None:
     pytest.skip("the native core needs cmake and g++ (Debian: apt-get install cmake g++)", allow_module_level=True)
 
+pytestmark = pytest.mark.usefixtures("single_threaded")
 RANDOM_CASES = 1000
-
-
-@pytest.fixture(autouse=True, scope="module")
-def single_threaded_reference():
-    """The reference works on tiny tensors: one torch thread avoids OpenMP spin-waits on busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+NATIVE = BACKEND["native-auto"]
 
 
 @pytest.fixture(scope="module")
 def core():
-    return Core(core_library_path())
+    return native_core()
 
 
-def replay(core: Core, case: Case, **kwargs) -> tuple[float, dict]:
-    """Run every chunk of a case through the op; returns the worst output error and the final cache."""
-    cache, length, worst = case.empty_cache(), 0, 0.0
-    for (q, k, v), want in zip(case.chunks, case.outputs):
-        out = core.attention(case, cache, np.ascontiguousarray(q), np.ascontiguousarray(k),
-                             np.ascontiguousarray(v), length, **kwargs)
-        worst = max(worst, rel_err(out, want))
-        length += q.shape[1]
-    return worst, cache
-
-
-# -- golden vectors ---------------------------------------------------------------------------
+# -- golden vectors (the op's replays: tests/test_conformance.py) --------------------------------
 
 
 @pytest.mark.parametrize("name", GOLDEN)
@@ -67,15 +50,6 @@ def test_quantize_pack_matches_golden_codec(core, name):
     assert same_bits(codes, t["codec.codes"].numpy())
     assert same_bits(scale, t["codec.scale"].numpy())
     assert same_bits(zero, t["codec.zero"].numpy())
-
-
-@pytest.mark.parametrize("kernel", ["dense", "scalar", "auto"])
-@pytest.mark.parametrize("name", GOLDEN)
-def test_golden_replay(core, name, kernel):
-    case = golden_case(name)
-    worst, cache = replay(core, case, kernel=kernel, threads=2 if kernel == "scalar" else 1)
-    assert worst <= 1e-3, f"{name}: attention relative error {worst:.3g}"
-    assert_final_cache(case, cache)
 
 
 # -- randomized ---------------------------------------------------------------------------------
@@ -100,14 +74,14 @@ def test_quantize_pack_random_matches_codec(core):
             assert same_bits(g, w.numpy())
 
 
-def test_random_cases_match_the_reference(core):
+def test_random_cases_match_the_reference():
     """RANDOM_CASES small sequences: bits, groups, clip, Lloyd-Max, windows incl. 0, GQA, T = 1 and T > 1."""
     rng = np.random.default_rng(2024)
     start, worst, chunks = time.perf_counter(), 0.0, 0
     for i in range(RANDOM_CASES):
         case = random_case(rng, i)
         kernel = ("auto", "dense", "scalar", "simd")[i % 4]
-        err, cache = replay(core, case, kernel=kernel, threads=1 + i % 2)
+        err, cache = replay(NATIVE, case, kernel=kernel, threads=1 + i % 2)
         assert err <= 1e-3, f"{case.name} ({case.config}, kernel {kernel}): relative error {err:.3g}"
         assert_final_cache(case, cache)
         worst, chunks = max(worst, err), chunks + len(case.chunks)
@@ -115,12 +89,12 @@ def test_random_cases_match_the_reference(core):
           f"in {time.perf_counter() - start:.1f} s")
 
 
-def test_long_chunks_cross_the_query_tiles(core):
+def test_long_chunks_cross_the_query_tiles():
     """Prefill chunks longer than the dense path's 64-token query tiles and key blocks."""
     rng = np.random.default_rng(5)
     for i in range(8):
         case = random_case(rng, i, max_context=200, max_chunk=150)
-        err, cache = replay(core, case, threads=2)
+        err, cache = replay(NATIVE, case, threads=2)
         assert err <= 1e-3, f"{case.name} ({case.config}): relative error {err:.3g}"
         assert_final_cache(case, cache)
 

@@ -135,30 +135,7 @@ def test_quantize_pack_rejects_what_the_codec_rejects():
     assert quantize_pack(torch.zeros(0, 64), 2, 32).codes.shape == (0, 16)
 
 
-# -- (c, d) decode attention replays the golden caches ---------------------------------------
-
-
-@pytest.mark.parametrize("name", CASES)
-def test_decode_attention_replays_golden_cache(name):
-    meta, cfg, t = load_case(name)
-    levels = {kind: t.get(f"cache.{kind}_levels") for kind in "kv"}
-    # The stored rotated inputs through an identity rotation: from the fp16 K/V on the format is normative.
-    cache = OscarKVCache(cfg, meta["layers"], meta["kv_heads"], meta["head_dim"], meta["tokens"],
-                         None, None, levels["k"], levels["v"])
-    q, k, v, p = t["cache.q_rot"], t["cache.k_rot"].float(), t["cache.v_rot"].float(), meta["prefill"]
-    cache.attend(0, q[:, :p], k[:, :p], v[:, :p])
-    # Alternate the storage path so both the reference append and triton_append are replayed.
-    append = "triton" if CASES.index(name) % 2 else "reference"
-    for step, pos in enumerate(range(p, meta["tokens"])):
-        out = triton_decode_attend(cache, 0, q[:, pos : pos + 1], k[:, pos : pos + 1], v[:, pos : pos + 1],
-                                   append=append)
-        want = t["cache.decode_out_rot"][step]
-        assert out.shape == (meta["q_heads"], 1, meta["head_dim"]) and out.dtype == torch.float32
-        err = float((out[:, 0] - want).abs().max() / want.abs().max())
-        assert err < 2e-4, f"step {step} (position {pos}): max error {err:.2e} of the output magnitude"
-    for kind in "kv":
-        for region in REGIONS:
-            assert_same_bits(getattr(cache, region)[kind], t[f"cache.final.{kind}.{region}"], f"{kind}.{region}")
+# -- (c, d) decode attention replays the golden caches: tests/test_conformance.py (triton-*) --------
 
 
 # -- splits, GQA groups, bf16 scales and the fp16-body baseline on a longer body ---------------
