@@ -71,7 +71,7 @@ def causal_gqa_attention(
     return torch.softmax(scores, dim=-1) @ values
 
 
-def _check_rotation(name: str, rot: torch.Tensor | None, layers: int, kv_heads: int, head_dim: int):
+def check_rotation(name: str, rot: torch.Tensor | None, layers: int, kv_heads: int, head_dim: int):
     if rot is None:
         return None
     rot = torch.as_tensor(rot, dtype=torch.float32)
@@ -116,8 +116,8 @@ class OscarKVCache:
         self.rotation = {
             kind: None if rot is None else rot.to(self.device)
             for kind, rot in (
-                ("k", _check_rotation("k_rotation", k_rotation, layers, kv_heads, head_dim)),
-                ("v", _check_rotation("v_rotation", v_rotation, layers, kv_heads, head_dim)),
+                ("k", check_rotation("k_rotation", k_rotation, layers, kv_heads, head_dim)),
+                ("v", check_rotation("v_rotation", v_rotation, layers, kv_heads, head_dim)),
             )
         }
         self.levels = {}

@@ -55,7 +55,7 @@ from .calibrate import online_rotations
 from .capture import collect_qkv
 from .codec import Quantized, dequantize, quantize
 from .config import OscarConfig, OscarInputError
-from .hf_cache import route_attention
+from .hf_cache import attention_shape, route_attention
 from .progress import progress
 from .rotations import hadamard_rotations
 
@@ -301,14 +301,6 @@ class Method:
     notes: list[str] = field(default_factory=list)
 
 
-def model_shape(model) -> tuple[int, int, int, int]:
-    """(layers, kv_heads, head_dim, q_heads) of a Hugging Face causal LM."""
-    cfg = model.config.get_text_config()
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, cfg.num_key_value_heads or heads, head_dim, heads
-
-
 def _oscar_factory(config, shape, k_rot=None, v_rot=None, k_levels=None, v_levels=None, cls=OscarKVCache):
     layers, kv_heads, head_dim, _ = shape
     return lambda n: cls(config, layers, kv_heads, head_dim, n, k_rot, v_rot, k_levels, v_levels)
@@ -386,7 +378,7 @@ def build_methods(model, tokenizer, names: Sequence[str], config: OscarConfig, r
     levels) from the rotation file or the calibration. match_clip: the quantized baselines use
     oscar's clip ratios too, so only the rotation (or KIVI's grouping) differs.
     """
-    shape = model_shape(model)
+    shape = attention_shape(model)
     layers, kv_heads, head_dim, _ = shape
     config.check_head_dim(head_dim)
     unknown = [name for name in names if name not in METHODS]
@@ -618,7 +610,7 @@ def evaluate(
         model, tokenizer = load_model(model_name_or_path)
     elif tokenizer is None:
         raise OscarInputError("tokenizer: expected one with the given model")
-    shape = model_shape(model)
+    shape = attention_shape(model)
     layers, kv_heads, head_dim, q_heads = shape
     config.check_head_dim(head_dim)
     max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)

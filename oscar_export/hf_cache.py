@@ -36,11 +36,13 @@ class OscarSettings:
     backend: str = "reference"
 
 
-def _model_shape(model) -> tuple[int, int, int]:
+def attention_shape(model) -> tuple[int, int, int, int]:
+    """(layers, kv_heads, head_dim, q_heads) of a loaded Hugging Face causal LM (models.model_shape reads a
+    checkpoint's config without loading it)."""
     cfg = model.config.get_text_config()
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    return cfg.num_hidden_layers, cfg.num_key_value_heads or heads, head_dim
+    return cfg.num_hidden_layers, cfg.num_key_value_heads or heads, head_dim, heads
 
 
 class OscarCacheLayer(CacheLayerMixin):
@@ -105,7 +107,7 @@ class OscarCache(Cache):
             from .kernels import triton_oscar  # fails early, with triton's own message, if triton is missing
 
             self._triton = triton_oscar
-        layers, kv_heads, head_dim = _model_shape(model)
+        layers, kv_heads, head_dim, _ = attention_shape(model)
         if not max_context:
             max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 4096
         k_rot = v_rot = k_levels = v_levels = None
@@ -185,7 +187,7 @@ def route_attention(model, target):
         model.set_attn_implementation(previous)
 
 
-def _resolve_rotations(rotations, model):
+def resolve_rotations(rotations, model):
     if rotations is None:
         return "none"
     if isinstance(rotations, str) and rotations in ROTATION_MODES:
@@ -193,7 +195,7 @@ def _resolve_rotations(rotations, model):
     if isinstance(rotations, (str, Path)):
         from .rotation_files import load_rotations
 
-        layers, kv_heads, head_dim = _model_shape(model)
+        layers, kv_heads, head_dim, _ = attention_shape(model)
         return load_rotations(rotations, layers=layers, head_dim=head_dim, kv_heads=kv_heads)
     return rotations  # a RotationSet
 
@@ -217,7 +219,7 @@ def patch_model_for_kv_quant(
     """
     if backend not in BACKENDS:
         raise OscarInputError(f"backend={backend!r}: expected one of {BACKENDS}")
-    resolved = _resolve_rotations(rotations, model)
+    resolved = resolve_rotations(rotations, model)
     if resolved not in ROTATION_MODES:
         meta = resolved.metadata
         for key in ("k_clip", "v_clip", "codebook"):
@@ -226,7 +228,7 @@ def patch_model_for_kv_quant(
         config = {k: v for k, v in config.items()}
     cfg = OscarConfig(k_bits=config.pop("k_bits", bits), v_bits=config.pop("v_bits", bits),
                       cluster_dim=cluster_dim, **config)
-    cfg.check_head_dim(_model_shape(model)[2])
+    cfg.check_head_dim(attention_shape(model)[2])
     model.oscar = OscarSettings(cfg, resolved, max_context, backend)
     model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
     if not hasattr(model, "_generate_without_oscar"):

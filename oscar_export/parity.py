@@ -140,87 +140,189 @@ def run_parity(model, prompt: torch.Tensor, steps: int, config: OscarConfig, rot
 
 # -- exported artifacts ------------------------------------------------------------------------------
 
-# End to end on an artifact: the logits limit of compare_tokens, as an absolute and a relative figure.
+# End to end on an artifact: the logits limit of compare_tokens, and the codes limit of compare_ops.
 ARTIFACT_THRESHOLDS = {"logits_max_rel_error": 1e-2, "codes_mismatch_fraction": 1e-3}
+TRACE_FORMAT = "oscar-export/parity-trace/1"
 
 
-def run_artifact_parity(directory, ids: list[int], steps: int) -> dict:
-    """An exported artifact's runtimes against the eager graph (graph.OscarCausalLM) on the same prompt.
+def _artifact_identity(manifest: dict) -> str:
+    """sha256 over the artifact's file table: a trace is only checked against the artifact it was recorded on."""
+    import hashlib
+    import json
 
-    The artifact's target CLI module provides parity_runtimes() {name: how}, unavailable_runtimes()
-    {name: why}, trace(directory, runtime, ids, steps) and reference_trace(directory, ids, steps),
-    each trace a dict of greedy `tokens`, per-step `logits` (the prefill's, then each decode step's)
-    and the packed body `codes` by cache name (uint8, format.md layout).
-    """
+    return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
+
+
+def save_trace(path, directory, ids: list[int], steps: int) -> dict:
+    """Record the artifact's reference run (prompt, greedy tokens, each step's logits, the packed body codes after
+    the run) into a safetensors file, on CUDA when this machine has it: the other side of a cross-machine parity
+    check (`parity --artifact DIR --against FILE`)."""
+    import json
+
     import numpy as np
+    from safetensors.numpy import save_file
+
+    from .export.pipeline import open_artifact, reference_trace
+    from .rotation_files import write_atomically
+
+    directory, manifest, _ = open_artifact(directory)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    trace = reference_trace(directory, ids, steps, device=device)
+    tensors = {"prompt": np.asarray(ids, np.int64), "tokens": np.asarray(trace["tokens"], np.int64),
+               "logits": np.stack(trace["logits"]).astype(np.float32),
+               **{f"codes.{name}": np.ascontiguousarray(array) for name, array in trace["codes"].items()}}
+    metadata = {"format": TRACE_FORMAT, "artifact": _artifact_identity(manifest), "target": manifest["target"],
+                "config": json.dumps(manifest["config"]), "weights": manifest["weights"], "device": device,
+                "device_name": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                "torch": torch.__version__, "steps": str(steps)}
+    write_atomically(path, lambda temp: save_file(tensors, str(temp), metadata=metadata))
+    return metadata
+
+
+def load_trace(path, manifest: dict) -> tuple[list[int], int, dict, dict]:
+    """(prompt ids, steps, the reference trace, its metadata) from a file save_trace wrote for this artifact."""
+    from safetensors import SafetensorError, safe_open
 
     from .config import OscarInputError
-    from .export.artifact import load_manifest
-    from .targets import cli_module
 
-    manifest = load_manifest(directory)
-    module = cli_module(manifest["target"])
-    if module is None or not hasattr(module, "trace"):
-        raise OscarInputError(f"--artifact {str(directory)!r}: parity is not available for the "
-                              f"{manifest['target']} target yet: expected a laptop or ios artifact")
-    reference = module.reference_trace(directory, ids, steps)
+    try:
+        with safe_open(str(path), "np") as f:
+            metadata = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+    except (OSError, ValueError, SafetensorError) as err:
+        raise OscarInputError(f"--against {str(path)!r}: cannot read it ({str(err).splitlines()[0][:200]}): expected "
+                              f"a file written by parity --save-trace") from None
+    fields = {"format", "artifact", "steps", "device_name", "torch"}
+    if (metadata.get("format") != TRACE_FORMAT or not fields <= set(metadata) or not metadata["steps"].isdigit()
+            or not {"prompt", "tokens", "logits"} <= set(tensors) or len(tensors["logits"]) != len(tensors["tokens"])):
+        raise OscarInputError(f"--against {str(path)!r}: not a parity trace: expected a file written by "
+                              f"parity --save-trace")
+    if metadata.get("artifact") != _artifact_identity(manifest):
+        raise OscarInputError(f"--against {str(path)!r} was recorded on another artifact (its files differ from "
+                              f"this one's): expected a trace saved with --artifact on a copy of this artifact")
+    trace = {"tokens": tensors["tokens"].tolist(), "logits": list(tensors["logits"]),
+             "codes": {name[len("codes."):]: array for name, array in tensors.items() if name.startswith("codes.")}}
+    return tensors["prompt"].tolist(), int(metadata["steps"]), trace, metadata
+
+
+def _codes_mismatches(got: dict, want: dict, config: dict) -> tuple[int, int]:
+    import numpy as np
+
+    mismatched = total = 0
+    for cache_name, reference in want.items():
+        bits = config[f"{cache_name.split('.')[1][0]}_bits"]
+        a = unpack_codes(torch.from_numpy(np.ascontiguousarray(got[cache_name])), bits)
+        b = unpack_codes(torch.from_numpy(np.ascontiguousarray(reference)), bits)
+        mismatched += int((a != b).sum())
+        total += a.numel()
+    return mismatched, total
+
+
+def compare_artifact_traces(got: dict, reference: dict, config: dict, limits: dict = ARTIFACT_THRESHOLDS) -> dict:
+    """A runtime's trace against the reference: tokens, logits and codes. A runtime that gives tokens only (the
+    stock C++ runner) is held to its tokens, where an id it could not recover from its text counts as equal."""
+    import numpy as np
+
+    if got["logits"] is None:
+        same = len(got["tokens"]) == len(reference["tokens"]) and all(
+            g is None or g == w for g, w in zip(got["tokens"], reference["tokens"]))
+        return {"tokens_match": same, "tokens": got["tokens"], "logits_max_abs_error": None,
+                "logits_max_rel_error": None, "codes_mismatched": None, "codes_mismatch_fraction": None, "ok": same}
+    pairs = list(zip(got["logits"], reference["logits"]))
+    abs_err = max(float(np.abs(a - b).max()) for a, b in pairs)
+    rel_err = max(float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)) for a, b in pairs)
+    mismatched, total = _codes_mismatches(got["codes"], reference["codes"], config)
+    row = {"tokens_match": got["tokens"] == reference["tokens"], "tokens": got["tokens"],
+           "logits_max_abs_error": abs_err, "logits_max_rel_error": rel_err, "codes_mismatched": mismatched,
+           "codes_mismatch_fraction": mismatched / max(total, 1)}
+    row["ok"] = row["tokens_match"] and all(row[key] <= limit for key, limit in limits.items())
+    return row
+
+
+def run_artifact_parity(directory, ids: list[int], steps: int, against=None) -> dict:
+    """Every runtime of the artifact's target that runs here against the reference on the same prompt: the eager
+    graph with the artifact's own weights (export/pipeline.reference_trace), run now, or `against`, a trace file
+    recorded elsewhere with save_trace (then its prompt and steps apply)."""
+    from .export.pipeline import open_artifact, reference_trace
+    from .targets import REFERENCE
+
+    directory, manifest, target = open_artifact(directory)
+    if against is not None:
+        ids, steps, reference, metadata = load_trace(against, manifest)
+        source = f"trace {against} ({metadata['device_name']}, torch {metadata['torch']})"
+    else:
+        reference = reference_trace(directory, ids, steps)
+        source = "eager graph.OscarCausalLM with the artifact's weights (PyTorch, here)"
+    unavailable = target.unavailable_runtimes()
+    limits = {**ARTIFACT_THRESHOLDS, **target.parity_limits(manifest)}
     report = {
         "artifact": str(directory),
-        "target": manifest["target"],
+        "target": target.name,
         "prompt_tokens": len(ids),
         "steps": steps,
         "config": manifest["config"],
         "weights": manifest["weights"],
-        "thresholds": ARTIFACT_THRESHOLDS,
-        "unavailable": module.unavailable_runtimes(),
+        "reference": source,
+        "thresholds": limits,
+        "unavailable": unavailable,
         "runtimes": {},
     }
-    for name, how in {"reference": "eager graph.OscarCausalLM (PyTorch)", **module.parity_runtimes()}.items():
-        got = reference if name == "reference" else module.trace(directory, name, ids, steps)
-        abs_err = max(float(np.abs(a - b).max()) for a, b in zip(got["logits"], reference["logits"]))
-        rel_err = max(float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-                      for a, b in zip(got["logits"], reference["logits"]))
-        mismatched = total = 0
-        for cache_name, want in reference["codes"].items():
-            bits = manifest["config"][f"{cache_name.split('.')[1][0]}_bits"]
-            a = unpack_codes(torch.from_numpy(np.ascontiguousarray(got["codes"][cache_name])), bits)
-            b = unpack_codes(torch.from_numpy(want), bits)
-            mismatched += int((a != b).sum())
-            total += a.numel()
-        row = {"how": how, "tokens_match": got["tokens"] == reference["tokens"], "tokens": got["tokens"],
-               "logits_max_abs_error": abs_err, "logits_max_rel_error": rel_err,
-               "codes_mismatched": mismatched, "codes_mismatch_fraction": mismatched / max(total, 1)}
-        row["ok"] = row["tokens_match"] and all(row[key] <= limit for key, limit in ARTIFACT_THRESHOLDS.items())
-        report["runtimes"][name] = row
+    runtimes = {name: how for name, how in target.runtimes.items() if name not in unavailable}
+    if against is not None:
+        runtimes = {REFERENCE: "eager graph with the artifact's weights (PyTorch, here)", **runtimes}
+    for name, how in runtimes.items():
+        if name == REFERENCE:
+            got = reference_trace(directory, ids, steps)
+        else:
+            got = target.trace(directory, manifest, name, ids, steps)
+        report["runtimes"][name] = {"how": how, **compare_artifact_traces(got, reference, manifest["config"], limits)}
     report["ok"] = all(row["ok"] for row in report["runtimes"].values())
     return report
 
 
 def artifact_parity_command(args, out) -> int:
-    """`oscar-export parity --artifact DIR`: run_artifact_parity on the artifact's tokenizer; `out` is the CLI console."""
+    """`oscar-export parity --artifact DIR [--save-trace FILE | --against FILE]`; `out` is the CLI console."""
     import json
 
     from rich.table import Table
     from transformers import AutoTokenizer
 
+    from .config import OscarInputError
     from .export.artifact import load_manifest
     from .report import read_tokens
 
+    if args.save_trace is not None and args.against is not None:
+        raise OscarInputError("--save-trace and --against: expected one of them (record here, or check here)")
     load_manifest(args.artifact)
-    tokenizer = AutoTokenizer.from_pretrained(args.artifact, local_files_only=True)
-    ids = read_tokens(tokenizer, args.text, args.prompt_tokens)[0].tolist()
-    report = run_artifact_parity(args.artifact, ids, args.steps)
+    ids = []
+    if args.against is None:
+        tokenizer = AutoTokenizer.from_pretrained(args.artifact, local_files_only=True)
+        ids = read_tokens(tokenizer, args.text, args.prompt_tokens)[0].tolist()
+    if args.save_trace is not None:
+        metadata = save_trace(args.save_trace, args.artifact, ids, args.steps)
+        out.print(f"wrote {args.save_trace}: the reference run of {args.artifact} on {metadata['device_name']} "
+                  f"({len(ids)}-token prompt, {args.steps} steps); check a runtime elsewhere with "
+                  f"parity --artifact DIR --against {args.save_trace}")
+        return 0
+    report = run_artifact_parity(args.artifact, ids, args.steps, against=args.against)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         table = Table(title=f"Parity of {args.artifact} ({report['target']}, weights {report['weights']}): "
-                            f"{len(ids)}-token prompt, {args.steps} greedy steps")
+                            f"{report['prompt_tokens']}-token prompt, {report['steps']} greedy steps, against the "
+                            f"{report['reference']}")
         for col in ("runtime", "codes mismatch", "logits max abs err", "logits max rel err", "tokens", "verdict"):
             table.add_column(col)
+
+        def number(value, fmt="{:.2e}"):
+            return "n/a" if value is None else fmt.format(value)
+
         for name, r in report["runtimes"].items():
-            table.add_row(f"{name} ({r['how']})", f"{r['codes_mismatch_fraction']:.2e} ({r['codes_mismatched']})",
-                          f"{r['logits_max_abs_error']:.2e}", f"{r['logits_max_rel_error']:.2e}",
-                          "match" if r["tokens_match"] else "DIFFER", "ok" if r["ok"] else "FAIL")
+            codes = "n/a" if r["codes_mismatched"] is None else \
+                f"{r['codes_mismatch_fraction']:.2e} ({r['codes_mismatched']})"
+            table.add_row(f"{name} ({r['how']})", codes, number(r["logits_max_abs_error"]),
+                          number(r["logits_max_rel_error"]), "match" if r["tokens_match"] else "DIFFER",
+                          "ok" if r["ok"] else "FAIL")
         out.print(table)
         for name, why in report["unavailable"].items():
             out.print(f"runtime {name} skipped: {why}")

@@ -189,7 +189,7 @@ def check_writable(path) -> Path:
     return path
 
 
-def _write_atomically(path, write) -> None:
+def write_atomically(path, write) -> None:
     """write(temp) beside `path`, then rename over it: readers never see a half-written file."""
     path = check_writable(path)
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -221,7 +221,7 @@ def save_rotations(path, rotation_set: RotationSet) -> None:
     tensors = {
         name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in named.items() if t is not None
     }
-    _write_atomically(path, lambda temp: save_file(tensors, str(temp), metadata=header))
+    write_atomically(path, lambda temp: save_file(tensors, str(temp), metadata=header))
 
 
 def load_rotations(
@@ -473,4 +473,4 @@ def export_rotation_zoo(rotation_set: RotationSet, k_path, v_path) -> None:
                 "source_grouping": meta.get("source_grouping"),
                 "layers": {i: {"layer_id": i, "rotation": rotation[i].clone(), "eigenvalues": values[i].clone()}
                            for i in range(rs.layers)}}
-        _write_atomically(path, lambda temp: torch.save(data, temp))
+        write_atomically(path, lambda temp: torch.save(data, temp))

@@ -65,7 +65,8 @@ def test_info_json():
     assert info["bundled_model"].endswith("bundled_model") and info["bundled_model_present"]
     assert info["runtimes"]["torch"] is True
     assert set(info["runtimes"]) >= {"onnxruntime", "executorch", "coremltools", "triton"}
-    assert "slower" in info["laptop_runtimes"]["onnx-fallback"]
+    assert "slower" in info["targets"]["laptop"]["run_runtimes"]["onnx-fallback"]
+    assert set(info["targets"]) == {"android", "ios", "laptop"}
 
 
 @pytest.mark.parametrize("command", ["plan", "info", "report", "calibrate", "eval", "parity", "rotations", "run", "bench"])

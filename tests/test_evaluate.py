@@ -313,7 +313,7 @@ def test_plot_refuses_a_missing_directory(small_result):
 
 
 def eval_parser():
-    from oscar_export.cli_eval import add_eval_command
+    from oscar_export.cli.eval import add_eval_command
 
     parser = argparse.ArgumentParser(prog="oscar-export")
     add_eval_command(parser.add_subparsers(dest="command"))

@@ -11,8 +11,8 @@ from oscar_export.cache import cache_bytes  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
 from oscar_export.export.graph import OscarCausalLM  # noqa: E402
-from oscar_export.export.ort_decode_bench import Fp32Decoder, bench_decode, fill_oscar_cache, fp32_decoder  # noqa: E402
-from oscar_export.export.ort_runner import OrtLM  # noqa: E402
+from oscar_export.targets.laptop.ort_decode_bench import Fp32Decoder, bench_decode, fill_oscar_cache, fp32_decoder  # noqa: E402
+from oscar_export.targets.laptop.ort_runner import OrtLM  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
 from oscar_export.native import ort_op_buildable  # noqa: E402
 

@@ -21,9 +21,9 @@ from onnx import TensorProto  # noqa: E402
 
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.export.graph import CACHE_NAMES  # noqa: E402
-from oscar_export.export.laptop import export_laptop  # noqa: E402
-from oscar_export.export.onnx_export import DOMAIN, OP  # noqa: E402
-from oscar_export.export.ort_runner import OrtLM  # noqa: E402
+from oscar_export.export.pipeline import export_artifact  # noqa: E402
+from oscar_export.ops.onnx import DOMAIN, OP  # noqa: E402
+from oscar_export.targets.laptop.ort_runner import OrtLM  # noqa: E402
 from oscar_export.hf_cache import OscarCache, patch_model_for_kv_quant  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
 from oscar_export.native import ort_op_buildable  # noqa: E402
@@ -61,7 +61,7 @@ def float_artifact(tmp_path_factory):
     if not ort_op_buildable():
         pytest.skip("liboscar_ort.so needs cmake, g++ and ORT headers")
     out = tmp_path_factory.mktemp("laptop") / "float"
-    export_laptop("bundled", out, "hadamard", CONTEXT, float_weights=True, **CONFIG)
+    export_artifact("laptop", "bundled", out, "hadamard", CONTEXT, float_weights=True, **CONFIG)
     return out
 
 
@@ -165,19 +165,21 @@ def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, capsys):
     assert manifest["plan"]["weights_bytes"] == pytest.approx(size, rel=0.05)  # what the planner promised
 
     results = {}
-    for runtime in ("onnxruntime", "onnx-fallback"):  # in-process: a second interpreter start costs ~10 s
+    for runtime in ("onnxruntime", "onnx-fallback", "reference"):  # in-process: an interpreter start costs ~10 s
         assert main(["run", "--artifact", str(out), "--prompt", "KING.\nWhat say you", "--max-new-tokens", "16",
                      "--runtime", runtime, "--json", "--threads", "1"]) == 0
         captured = capsys.readouterr()
         results[runtime] = json.loads(captured.out)
         assert len(results[runtime]["tokens"]) <= 16 and isinstance(results[runtime]["text"], str)
-    assert "slower" in captured.err  # the fallback says so at load
+        assert ("slower" in captured.err) == (runtime == "onnx-fallback")  # the fallback says so at load
     assert results["onnxruntime"] == results["onnx-fallback"]
+    # reference: the eager graph with the artifact's own 4-bit weights, so it says what the runtimes say.
+    assert results["reference"] == results["onnxruntime"]
 
     # parity against the eager graph holding the artifact's own (dequantized 4-bit) weights
     assert main(["parity", "--artifact", str(out), "--prompt-tokens", str(PROMPT), "--steps", "16", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report["runtimes"]) == {"reference", "onnxruntime", "onnx-fallback"}
+    assert set(report["runtimes"]) == {"onnxruntime", "onnx-fallback"} and "artifact's weights" in report["reference"]
     for name in ("onnxruntime", "onnx-fallback"):
         row = report["runtimes"][name]
         print(f"{name}: codes mismatch {row['codes_mismatch_fraction']:.2e}, logits {row['logits_max_rel_error']:.2e}")
@@ -288,7 +290,7 @@ def test_flag_values_are_bounded_or_taken_as_text(float_artifact, capsys):
 
 
 def test_an_unexpected_exception_is_an_internal_error_with_a_log(monkeypatch, capsys):
-    import oscar_export.cli as cli_module
+    import oscar_export.cli.commands as cli_module
 
     def broken(args):
         raise KeyError("boom")
@@ -299,3 +301,38 @@ def test_an_unexpected_exception_is_an_internal_error_with_a_log(monkeypatch, ca
     assert "internal error: KeyError" in err and len(err.strip().splitlines()) == 1
     log = err.split("traceback in ")[1].split(";")[0]
     assert "Traceback" in open(log).read() and "boom" in open(log).read()
+
+
+def test_a_saved_trace_checks_the_runtimes_elsewhere(float_artifact, tmp_path, capsys):
+    trace = tmp_path / "trace.safetensors"
+    assert main(["parity", "--artifact", str(float_artifact), "--prompt-tokens", "120", "--steps", "6",
+                 "--save-trace", str(trace)]) == 0
+    assert "wrote" in capsys.readouterr().out and trace.is_file()
+    assert main(["parity", "--artifact", str(float_artifact), "--against", str(trace), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["prompt_tokens"] == 120 and report["steps"] == 6 and str(trace) in report["reference"]
+    assert set(report["runtimes"]) == {"reference", "onnxruntime", "onnx-fallback"}
+    assert report["runtimes"]["reference"]["codes_mismatched"] == 0  # the same eager run, here and in the file
+    assert all(row["ok"] and len(row["tokens"]) == 6 for row in report["runtimes"].values())
+
+    # A trace is only checked against the artifact it was recorded on, and it must be a trace.
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(trace)
+    tensors["tokens"][0] += 1  # another run's tokens: the runtimes now differ from it
+    from safetensors import safe_open
+
+    with safe_open(str(trace), "np") as f:
+        metadata = f.metadata()
+    save_file(tensors, str(tmp_path / "other.safetensors"), metadata=metadata)
+    assert main(["parity", "--artifact", str(float_artifact), "--against", str(tmp_path / "other.safetensors"),
+                 "--json"]) == 1
+    assert not json.loads(capsys.readouterr().out)["runtimes"]["onnxruntime"]["tokens_match"]
+    save_file(tensors, str(tmp_path / "foreign.safetensors"), metadata={**metadata, "artifact": "0" * 64})
+    (tmp_path / "junk.safetensors").write_bytes(b"not a trace")
+    for path, needle in ((tmp_path / "foreign.safetensors", "another artifact"), (tmp_path / "junk.safetensors",
+                                                                                  "cannot read")):
+        assert main(["parity", "--artifact", str(float_artifact), "--against", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
+

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from oscar_export import OscarInputError
 from oscar_export import rotation_files
-from oscar_export.cli_rotations import add_rotations_command
+from oscar_export.cli.rotations import add_rotations_command
 from oscar_export.rotation_files import (
     RotationSet,
     check_report,

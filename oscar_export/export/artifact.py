@@ -190,9 +190,8 @@ MAX_CONTEXT = 1 << 20
 ROTATIONS = ("hadamard", "none", ROTATION_FILE)
 
 
-def load_manifest(directory, target: str | None = None, verify: bool = True) -> dict:
-    """The artifact's manifest; with `target`, it must be that target's. With `verify` (what run and parity
-    do) every value a runner relies on is checked, and every listed file's size and sha256, before anything
+def load_manifest(directory, verify: bool = True) -> dict:
+    """The artifact's manifest. With `verify` (what run and parity do) every value a runner relies on is checked, and every listed file's size and sha256, before anything
     native reads them: a damaged or edited artifact is an error naming the file, never a wrong answer."""
     path = Path(directory) / MANIFEST
     try:
@@ -201,9 +200,8 @@ def load_manifest(directory, target: str | None = None, verify: bool = True) -> 
         raise OscarInputError(f"--artifact {str(directory)!r}: no readable {MANIFEST} ({err}): "
                               "expected a directory written by 'oscar-export --target ...'") from None
     found = manifest.get("target") if isinstance(manifest, dict) else None
-    if not isinstance(found, str) or manifest.get("format") != manifest_format(found) or target not in (None, found):
-        want = manifest_format(target) if target else "oscar-export/<target>/1"
-        raise OscarInputError(f"--artifact {str(directory)!r}: {MANIFEST} is not format {want!r}")
+    if not isinstance(found, str) or manifest.get("format") != manifest_format(found):
+        raise OscarInputError(f"--artifact {str(directory)!r}: {MANIFEST} is not format 'oscar-export/<target>/1'")
     if verify:
         check_manifest(directory, manifest)
         verify_files(directory, manifest)
@@ -280,22 +278,6 @@ def eos_ids(model) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-def reference_tokens(manifest: dict, directory: Path, ids: list[int], max_new_tokens: int) -> list[int]:
-    """The same generation through transformers with the reference OscarCache (needs the source checkpoint)."""
-    from ..hf_cache import patch_model_for_kv_quant
-    from ..models import load_model
-
-    model, _ = load_model(manifest["model"]["source"])
-    rotations = manifest["rotations"]
-    rotations = Path(directory) / rotations if rotations == ROTATION_FILE else rotations
-    config = dict(manifest["config"])
-    patch_model_for_kv_quant(model, rotations=rotations, max_context=manifest["max_context"],
-                             cluster_dim=config.pop("cluster_dim"), **config)
-    eos = manifest["eos_token_ids"] or None
-    out = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos)
-    return out[0, len(ids):].tolist()
-
-
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
     ids = tokenizer(prompt)["input_ids"]
     if not ids:
@@ -305,39 +287,39 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
 
 def eager_module(directory, manifest: dict):
     """The eager graph (graph.OscarCausalLM) of the artifact's source model, config and rotations."""
-    from ..hf_cache import _resolve_rotations
+    from ..hf_cache import resolve_rotations
     from ..models import load_model
     from .graph import OscarCausalLM
 
     model, _ = load_model(manifest["model"]["source"])
     rotations = manifest["rotations"]
-    resolved = _resolve_rotations(str(Path(directory) / rotations) if rotations == ROTATION_FILE else rotations, model)
+    resolved = resolve_rotations(str(Path(directory) / rotations) if rotations == ROTATION_FILE else rotations, model)
     return OscarCausalLM(model, config_for(resolved, **manifest["config"]), resolved).eval()
 
 
-def eager_trace(module, ids: list[int], steps: int, max_context: int, max_chunk: int, eos=()) -> dict:
+def eager_trace(module, ids: list[int], steps: int, max_context: int, max_chunk: int, eos=(), device="cpu") -> dict:
     """Greedy run of the eager graph (graph.OscarCausalLM, in-place cache): the reference of parity.
 
     Returns the greedy `tokens`, the logits of each step (the prefill's last position, then each
     decode step's) and the packed body `codes` by cache name.
     """
-    cache = module.new_cache(max_context)
-    length, tokens, logits = torch.zeros(1, dtype=torch.int64), [], []
+    cache = [t.to(device) for t in module.new_cache(max_context)]
+    length, tokens, logits = torch.zeros(1, dtype=torch.int64, device=device), [], []
     with torch.no_grad():
         for start in range(0, len(ids), max_chunk):
             chunk = ids[start:start + max_chunk]
-            step = module(torch.tensor([chunk]), length, *cache)
+            step = module(torch.tensor([chunk], device=device), length, *cache)
             length += len(chunk)
         for _ in range(steps):
-            logits.append(step[0, -1].numpy().copy())
+            logits.append(step[0, -1].float().cpu().numpy().copy())
             tokens.append(int(step[0, -1].argmax()))
             if tokens[-1] in eos or len(tokens) == steps:
                 break
-            step = module(torch.tensor([[tokens[-1]]]), length, *cache)
+            step = module(torch.tensor([[tokens[-1]]], device=device), length, *cache)
             length += 1
     names = [name for name, _, _ in module.cache_spec(max_context)]
     return {"tokens": tokens, "logits": logits,
-            "codes": {name: t.numpy() for name, t in zip(names, cache) if name.endswith("_codes")}}
+            "codes": {name: t.cpu().numpy() for name, t in zip(names, cache) if name.endswith("_codes")}}
 
 
 class GreedyLM:
@@ -371,3 +353,10 @@ class GreedyLM:
 
     def generate(self, ids, max_new_tokens: int, eos_token_ids=()) -> list[int]:
         return self.trace(ids, max_new_tokens, eos_token_ids)[0]
+
+    def cache_arrays(self) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+    def body_codes(self) -> dict[str, np.ndarray]:
+        """The packed body codes (uint8, format.md layout) by cache name, layer{i}.k_codes ...: what parity compares."""
+        return {name: array.copy() for name, array in self.cache_arrays().items() if name.endswith("_codes")}

@@ -2,9 +2,8 @@
 
 OscarCausalLM.forward(input_ids [1, T], length int64[1], *cache) runs a chunk of T tokens at
 positions length .. length+T-1 (a prefill chunk, or T = 1 for a decode step) and returns the
-logits. Attention is one custom op per layer, `oscar::attention`, with the inputs of the ONNX
-Runtime op OscarAttention (docs/onnx_ops.md). Its reference implementation is OscarKVCache.attend
-wrapped around the given buffers, so eager runs of this module are the reference math.
+logits. Attention is one custom op per layer, `oscar::attention` (ops/attention.py), whose reference
+kernel is the normative math, so eager runs of this module are the reference.
 
 K is rotated after RoPE by a plain matmul on q and k; the V rotation is folded into v_proj and
 R_v^T into o_proj, so values cost nothing extra at run time.
@@ -16,99 +15,14 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from ..cache import KINDS, OscarKVCache, _check_rotation, capacities
+from ..cache import KINDS, check_rotation, capacities
 from ..codec import packed_bytes, uniform_levels
 from ..config import OscarConfig, OscarInputError
-from ..hf_cache import _model_shape, _resolve_rotations
+from ..hf_cache import attention_shape, resolve_rotations
+from ..ops.attention import CACHE_NAMES
 from ..rotations import hadamard_rotations
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-# One layer's cache buffers, in the op's input order (after q, k_new, v_new).
-CACHE_NAMES = ("k_sink", "v_sink", "k_recent", "v_recent", "k_codes", "k_scale", "k_zero",
-               "v_codes", "v_scale", "v_zero")
-ATTRIBUTES = ("k_bits", "v_bits", "cluster_dim", "sink", "recent", "k_clip", "v_clip", "scaling")
-
-# -- the custom op ------------------------------------------------------------------------------
-
-_ATTRS = "int k_bits, int v_bits, int cluster_dim, int sink, int recent, float k_clip, float v_clip, float scaling"
-_MUTABLE = ", ".join(f"Tensor({chr(ord('a') + i)}!) {name}" for i, name in enumerate(CACHE_NAMES))
-_PLAIN = ", ".join(f"Tensor {name}" for name in CACHE_NAMES)
-
-
-def _schema(cache: str) -> str:
-    return f"Tensor q, Tensor k_new, Tensor v_new, {cache}, Tensor k_levels, Tensor v_levels, Tensor length, {_ATTRS}"
-
-
-_lib = torch.library.Library("oscar", "DEF")
-# Updates the cache buffers in place, as the native ONNX Runtime and ExecuTorch kernels do.
-_lib.define(f"attention({_schema(_MUTABLE)}) -> Tensor")
-_lib.define(f"attention.out({_schema(_MUTABLE)}, *, Tensor(z!) out) -> Tensor(z!)")
-# The same op with the updated buffers as outputs: what ONNX can express (see onnx_export.py).
-_lib.define(f"attention_functional({_schema(_PLAIN)}) -> (Tensor, {', '.join(['Tensor'] * len(CACHE_NAMES))})")
-
-
-def wrap_cache(cache, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip):
-    """An OscarKVCache of one layer whose storage is the given buffers (written in place)."""
-    given = dict(zip(CACHE_NAMES, cache))
-    kv_heads, head_dim = given["k_sink"].shape[0], given["k_sink"].shape[-1]
-    caps = (given["k_sink"].shape[1], given["k_recent"].shape[1], given["k_codes"].shape[1])
-    config = OscarConfig(k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, k_clip=k_clip, v_clip=v_clip,
-                         codebook="lloyd-max", sink=sink, recent=recent)  # uniform levels are a valid codebook
-    if capacities(config, sum(caps)) != caps:
-        raise OscarInputError(f"cache capacities (sink, recent, body) = {caps}: expected "
-                              f"{capacities(config, sum(caps))} for sink={sink}, recent={recent}")
-    kv = OscarKVCache(config, 1, kv_heads, head_dim, max(sum(caps), 1), k_levels=[k_levels], v_levels=[v_levels],
-                      device=given["k_sink"].device)
-    for kind in KINDS:
-        for region in ("sink", "recent", "codes", "scale", "zero"):
-            name, want = f"{kind}_{region}", getattr(kv, region)[kind]
-            if given[name].shape != want.shape[1:] or given[name].dtype != want.dtype:
-                raise OscarInputError(f"{name} is {given[name].dtype} {tuple(given[name].shape)}: "
-                                      f"expected {want.dtype} {tuple(want.shape[1:])}")
-            getattr(kv, region)[kind] = given[name].unsqueeze(0)  # a view: the op writes the caller's buffer
-    kv.length[0] = int(length.reshape(-1)[0])
-    return kv
-
-
-def _attention(q, k_new, v_new, *args):
-    *cache, k_levels, v_levels, length = args[:13]
-    k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip, scaling = args[13:]
-    kv = wrap_cache(cache, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip)
-    return kv.attend(0, q, k_new, v_new, scaling)
-
-
-def _attention_out(*args, out):
-    return out.copy_(_attention(*args))
-
-
-def _attention_functional(q, k_new, v_new, *args):
-    cache = [t.clone() for t in args[: len(CACHE_NAMES)]]
-    out = _attention(q, k_new, v_new, *cache, *args[len(CACHE_NAMES):])
-    return (out, *cache)
-
-
-_lib.impl("attention", _attention, "CompositeExplicitAutograd")
-_lib.impl("attention.out", _attention_out, "CompositeExplicitAutograd")
-_lib.impl("attention_functional", _attention_functional, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("oscar::attention")
-def _(q, *args):
-    return q.new_empty(q.shape)
-
-
-@torch.library.register_fake("oscar::attention.out")
-def _(*args, out):
-    return out
-
-
-@torch.library.register_fake("oscar::attention_functional")
-def _(q, k_new, v_new, *args):
-    return (q.new_empty(q.shape), *(t.new_empty(t.shape) for t in args[: len(CACHE_NAMES)]))
-
-
-# -- the model ----------------------------------------------------------------------------------
-
 
 def _fold_v(v_proj: nn.Linear, rot: torch.Tensor) -> nn.Linear:
     """v_proj whose output per KV head h is v_h @ R_h: weight rows of head h become R_h^T W_h."""
@@ -202,12 +116,12 @@ class OscarCausalLM(nn.Module):
                                   "expected 'hadamard', 'none' or a rotation file (oscar-export calibrate)")
         if config.scale_dtype != "float16":
             raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected 'float16', the exported op's format")
-        layers, kv_heads, head_dim = _model_shape(model)
+        layers, kv_heads, head_dim, _ = attention_shape(model)
         config.check_head_dim(head_dim)
         self.config, self.kv_heads, self.head_dim = config, kv_heads, head_dim
         self.functional, self.all_logits = functional, all_logits
 
-        resolved = _resolve_rotations(rotations, model)
+        resolved = resolve_rotations(rotations, model)
         k_rot = v_rot = None
         if resolved == "hadamard":
             k_rot = v_rot = hadamard_rotations(layers, head_dim)
@@ -223,8 +137,8 @@ class OscarCausalLM(nn.Module):
             if lv.shape[-1] != 2 ** config.bits(kind):
                 raise OscarInputError(f"{kind}_levels have {lv.shape[-1]} levels: expected {2 ** config.bits(kind)} "
                                       f"for {kind}_bits={config.bits(kind)}")
-        k_rot = _check_rotation("k_rotation", k_rot, layers, kv_heads, head_dim)
-        v_rot = _check_rotation("v_rotation", v_rot, layers, kv_heads, head_dim)
+        k_rot = check_rotation("k_rotation", k_rot, layers, kv_heads, head_dim)
+        v_rot = check_rotation("v_rotation", v_rot, layers, kv_heads, head_dim)
 
         text = model.get_decoder()
         self.embed_tokens, self.norm, self.lm_head = text.embed_tokens, text.norm, model.lm_head

@@ -1,5 +1,5 @@
 // ExecuTorch kernel for oscar::attention.out, the one attention op per layer of an exported
-// model (oscar_export/export/graph.py defines its schema; docs/android.md describes its use).
+// model (oscar_export/ops/attention.py defines its schema; docs/android.md describes its use).
 // A thin adapter over the shared C++ core: it checks dtypes, ranks and shapes against
 // oscar::buffer_shapes, hands raw pointers to oscar::oscar_attention, and reports failures
 // through the kernel context (never an abort). The cache tensors are the program's mutable

@@ -22,9 +22,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..config import OscarConfig
-from .bench import check_bench_args
-from .graph import CACHE_NAMES
+from ...config import OscarConfig
+from ...export.bench import check_bench_args
+from ...ops.attention import CACHE_NAMES
 
 MIN_SECONDS, MIN_RUNS = 0.5, 10
 
@@ -107,8 +107,8 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  llama:: ops, AOT and runtime kernels
     from executorch.extension.pybindings import portable_lib
 
-    from ..cache import capacities
-    from ..codec import packed_bytes
+    from ...cache import capacities
+    from ...codec import packed_bytes
     from .et_runner import load_kernels
 
     config, threads = check_bench_args(contexts, q_heads, kv_heads, head_dim, config, threads)

@@ -2,7 +2,7 @@
 
 The host keeps one set of cache buffers per layer (numpy arrays in the model's input layout),
 feeds them with each chunk, and writes the rows the model returns into them by the placement rule
-(coreml_ops.apply_rows). runtime "coreml-mil" executes the converted MIL program in numpy
+(ops/coreml.py apply_rows). runtime "coreml-mil" executes the converted MIL program in numpy
 (mil_eval.py, any OS); "coreml" calls MLModel.predict (macOS only).
 """
 
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import OscarInputError
-from .artifact import GreedyLM
-from .coreml_ops import ROW_NAMES, apply_rows
-from .graph import CACHE_NAMES
+from ...config import OscarInputError
+from ...export.artifact import GreedyLM
+from ...ops.coreml import ROW_NAMES, apply_rows
+from ...ops.attention import CACHE_NAMES
 
 RUNTIMES = ("coreml-mil", "coreml")
 
@@ -80,9 +80,10 @@ class CoreMLLM(GreedyLM):
         return np.asarray(out["logits"], np.float32)[0, -1]
 
     def body_codes(self) -> dict[str, np.ndarray]:
-        """Packed body codes as the format's bytes (uint8), by input name: the int32 words are those bytes."""
-        return {name: np.ascontiguousarray(array).view(np.uint8) for name, array in self.cache.items()
-                if name.endswith("_codes")}
+        """Packed body codes as the format's bytes (uint8) by cache name (layer{i}.k_codes): the int32 words
+        are those bytes."""
+        return {name.replace("_", ".", 1): np.ascontiguousarray(array).view(np.uint8)
+                for name, array in self.cache.items() if name.endswith("_codes")}
 
 
 def load(directory):

@@ -9,8 +9,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .config import OscarInputError
-from .rotation_files import (check_report, export_rotation_zoo, import_rotation_zoo, load_rotations, save_rotations,
+from ..config import OscarInputError
+from ..rotation_files import (check_report, export_rotation_zoo, import_rotation_zoo, load_rotations, save_rotations,
                              zoo_paths)
 
 out = Console()

@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import OscarInputError
-from .artifact import GreedyLM
-from .android import LIBRARY_FILE, MODEL_FILE
-from .graph import CACHE_NAMES
+from ...config import OscarInputError
+from ...export.artifact import GreedyLM
+from . import LIBRARY_FILE, MODEL_FILE
+from ...ops.attention import CACHE_NAMES
 
 RUNTIMES = ("executorch", "stock-runner")
 TOKENIZER_FILE = "tokenizer.json"
@@ -37,10 +37,10 @@ def load_kernels(library=None) -> ctypes.CDLL:
     if "kernels" in _loaded:
         return _loaded["kernels"]
     if library is None:
-        from ..native import executorch_library_path
+        from ...native import executorch_library_path
 
         library = executorch_library_path()
-    from ..native import executorch_dir, probe_library
+    from ...native import executorch_dir, probe_library
 
     root, _ = executorch_dir()
     probe_library(library, preload=(root / "lib" / "libexecutorch.so",) if root is not None else ())
@@ -116,6 +116,10 @@ class EtLM(GreedyLM):
     def cache_arrays(self) -> dict[str, np.ndarray]:
         """The cache as it is now, by buffer name (cache.{layer}.k_codes ...)."""
         return {name: self.method.get_attribute(name).numpy().copy() for name in self.cache_names}
+
+    def body_codes(self) -> dict[str, np.ndarray]:
+        return {"layer" + name[len("cache."):]: array for name, array in self.cache_arrays().items()
+                if name.endswith("_codes")}
 
 
 @contextlib.contextmanager

@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from ..config import OscarInputError
-from .artifact import GreedyLM
+from ...config import OscarInputError
+from ...export.artifact import GreedyLM
 from .onnx_export import FALLBACK_FILE, MODEL_FILE
 
 RUNTIMES = ("onnxruntime", "onnx-fallback")
@@ -38,10 +38,10 @@ class OrtLM(GreedyLM):
             if library is None:
                 library = directory / LIBRARY_FILE
                 if not library.is_file():
-                    from ..native import ort_library_path
+                    from ...native import ort_library_path
 
                     library = ort_library_path()
-            from ..native import probe_library
+            from ...native import probe_library
 
             probe_library(library)
             try:

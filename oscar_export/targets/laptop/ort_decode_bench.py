@@ -2,7 +2,7 @@
 the same model with a standard fp32 KV cache.
 
 All variants hold the same float32 weights, so only the cache differs. OSCAR: the model.onnx that
-export_laptop writes, run by OrtLM (cache buffers bound once, appended in place by the op). fp32: a
+the laptop export writes, run by OrtLM (cache buffers bound once, appended in place by the op). fp32: a
 decode graph of standard ONNX ops built here from the same Hugging Face weights, in the layout ONNX
 Runtime decoders use: past K/V inputs [1, Hkv, past, D] and present outputs (the past with the new
 token concatenated), bound with IO binding and fed back as the next step's past. fp32 shared: the
@@ -29,10 +29,11 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ..codec import quantize
-from ..config import OscarConfig, OscarInputError
-from .graph import CACHE_NAMES
-from .onnx_export import DOMAIN, MODEL_FILE, OP
+from ...codec import quantize
+from ...config import OscarConfig, OscarInputError
+from ...ops.attention import CACHE_NAMES
+from ...ops.onnx import DOMAIN, OP
+from .onnx_export import MODEL_FILE
 from .ort_runner import OrtLM
 
 WARMUP = 4  # untimed steps per variant before the timed ones
@@ -64,9 +65,9 @@ def fill_oscar_cache(cache: dict[str, np.ndarray], config: OscarConfig, length: 
 
 def oscar_decoder(directory: Path, model_name: str, context: int, config: OscarConfig, threads: int) -> OrtLM:
     """Export the laptop artifact with float weights into `directory` and load it with the native op."""
-    from .laptop import export_laptop
+    from ...export.pipeline import export_artifact
 
-    export_laptop(model_name, directory, "hadamard", context, float_weights=True, **config.to_dict())
+    export_artifact("laptop", model_name, directory, "hadamard", context, float_weights=True, **config.to_dict())
     # The op starts its own threads (attribute `threads`, 0 = one per core): pin it to the bench's count.
     path = directory / MODEL_FILE
     model = onnx.load(path, load_external_data=False)
@@ -259,7 +260,7 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
     Each variant starts from a synthetic cache of context - WARMUP - steps - 1 tokens, so the timed steps
     end one token short of `context`. work_dir keeps the exported models (default: a temporary directory).
     """
-    from ..models import load_model
+    from ...models import load_model
 
     config = config or OscarConfig()
     contexts = list(contexts)

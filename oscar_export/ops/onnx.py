@@ -1,53 +1,36 @@
-"""ONNX export of OscarCausalLM for ONNX Runtime (the laptop target).
-
-model.onnx: each layer's attention is one `oscar.OscarAttention` node (runtime_ops/onnxruntime,
-docs/onnx_ops.md) fed straight from graph inputs `layer{i}.k_sink` ... `layer{i}.v_zero`, which the
-native op updates in place: the host binds persistent buffers once (ort_runner.py). The graph's
-only output is `logits`.
-
-model_fallback.onnx: the same graph and weights (it reads model.onnx.data) for a stock ONNX
-Runtime without the native library. Each node becomes `oscar.OscarAttentionFunctional`, an ONNX
-function of standard ops; standard ops cannot write their inputs, so it returns the updated
-buffers as outputs `layer{i}.k_sink.next` ... and the host feeds them back.
-
-Weights are 4-bit by default (ONNX Runtime's MatMulNBits quantizer) with fp16 embedding tables, float
-with float_weights.
+"""oscar::attention in ONNX: the OscarAttention node the native ONNX Runtime library runs
+(runtime_ops/onnxruntime, docs/onnx_ops.md), and OscarAttentionFunctional, the same op as an ONNX
+function of standard ops for a stock ONNX Runtime (docs/format.md sections 3-6).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-from collections import Counter
-from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxscript
 import torch
-from onnx import TensorProto, helper, numpy_helper
 from onnx.defs import OpSchema
 
 from ..config import OscarInputError
-from .graph import ATTRIBUTES, CACHE_NAMES, OscarCausalLM
+from .attention import ATTRIBUTES, CACHE_NAMES, INPUT_DTYPES
 
 DOMAIN = "oscar"
 OP = "OscarAttention"
 FALLBACK_OP = "OscarAttentionFunctional"
-MODEL_FILE, DATA_FILE, FALLBACK_FILE = "model.onnx", "model.onnx.data", "model_fallback.onnx"
-INPUTS = ("q", "k_new", "v_new", *CACHE_NAMES, "k_levels", "v_levels", "length")
-_TYPES = {"q": "tensor(float)", "k_levels": "tensor(float)", "v_levels": "tensor(float)", "k_codes": "tensor(uint8)",
-          "v_codes": "tensor(uint8)", "length": "tensor(int64)"}
-WEIGHT_BLOCK = 32  # input channels per 4-bit weight scale, as the planner assumes
+_ONNX_TYPES = {torch.float32: "tensor(float)", torch.float16: "tensor(float16)", torch.uint8: "tensor(uint8)",
+               torch.int64: "tensor(int64)"}
+_IR_TYPES = {torch.float32: ir.DataType.FLOAT, torch.float16: ir.DataType.FLOAT16, torch.uint8: ir.DataType.UINT8,
+             torch.int64: ir.DataType.INT64}
 _OSCAR = onnxscript.values.Opset(DOMAIN, 1)
 
 
-def _register_schema() -> None:
+def register_schema() -> None:
     """The op's ONNX schema, so onnxscript can emit it (the native library does its own checks)."""
     if onnx.defs.has(OP, DOMAIN):
         return
-    inputs = [OpSchema.FormalParameter(name, _TYPES.get(name, "tensor(float16)")) for name in INPUTS]
+    inputs = [OpSchema.FormalParameter(name, _ONNX_TYPES[dtype]) for name, dtype in INPUT_DTYPES]
     attributes = [OpSchema.Attribute(name, OpSchema.AttrType.FLOAT if name in ("k_clip", "v_clip", "scaling")
                                      else OpSchema.AttrType.INT) for name in ATTRIBUTES]
     onnx.defs.register_schema(OpSchema(OP, DOMAIN, 1, inputs=inputs,
@@ -55,7 +38,7 @@ def _register_schema() -> None:
                                        attributes=attributes))
 
 
-def _translate(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes, k_scale, k_zero, v_codes, v_scale,
+def translate(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes, k_scale, k_zero, v_codes, v_scale,
                v_zero, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip, scaling):
     """oscar::attention_functional -> OscarAttention; the 'updated' buffers are the inputs it writes."""
     cache = (k_sink, v_sink, k_recent, v_recent, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
@@ -63,85 +46,6 @@ def _translate(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes, k_s
                                 cluster_dim=cluster_dim, sink=sink, recent=recent, k_clip=k_clip, v_clip=v_clip,
                                 scaling=scaling)
     return (out, *cache)
-
-
-def export_onnx(module: OscarCausalLM, directory: Path, max_context: int, max_chunk: int = 512,
-                float_weights: bool = False) -> list[Path]:
-    """Write model.onnx, model.onnx.data and model_fallback.onnx into an existing directory."""
-    _register_schema()
-    directory = Path(directory)
-    spec = module.cache_spec(max_context)
-    names = ["input_ids", "length", *(name for name, _, _ in spec)]
-    example = (torch.zeros(1, min(8, max_chunk), dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-               *module.new_cache(max_context))
-    chunk = torch.export.Dim("T", min=1, max=max_chunk)
-    functional = module.functional
-    module.functional = True  # ONNX cannot mutate inputs: trace the functional form, then drop its cache outputs
-    try:
-        exported = torch.export.export(module, example, dynamic_shapes=({1: chunk}, None, (None,) * len(spec)))
-    finally:
-        module.functional = functional
-    program = torch.onnx.export(
-        exported, dynamo=True, input_names=names, output_names=["logits", *(f"{name}.next" for name, _, _ in spec)],
-        custom_translation_table={torch.ops.oscar.attention_functional.default: _translate}, verbose=False,
-    )
-    model = program.model
-    del model.graph.outputs[1:]  # the native op writes the cache inputs themselves
-    ir.passes.common.RemoveUnusedNodesPass()(model)
-    model_path = directory / MODEL_FILE
-    if float_weights:
-        ir.save(model, model_path, external_data=DATA_FILE)
-    else:
-        # A tied lm_head reads the embedding table through a Transpose the exporter keeps (the table has
-        # two users): fold it, so the quantizer sees a constant MatMul weight there too.
-        onnxscript.optimizer.fold_constants(model, output_size_limit=2**62,
-                                            should_fold=lambda node: True if node.op_type == "Transpose" else None)
-        float_path = directory / "float.onnx"
-        ir.save(model, float_path, external_data="float.onnx.data")
-        _quantize_weights(float_path, model_path)
-        float_path.unlink()
-        (directory / "float.onnx.data").unlink()
-    fallback = make_fallback(onnx.load(model_path, load_external_data=False))
-    onnx.save(fallback, directory / FALLBACK_FILE)  # initializers keep pointing at model.onnx.data
-    return [model_path, directory / DATA_FILE, directory / FALLBACK_FILE]
-
-
-def _quantize_weights(src: Path, dst: Path) -> None:
-    """4-bit MatMul weights (MatMulNBits, asymmetric, blocks of WEIGHT_BLOCK) with ONNX Runtime's own quantizer."""
-    from onnxruntime.quantization import matmul_nbits_quantizer
-
-    log = logging.getLogger(matmul_nbits_quantizer.__name__)
-    level = log.level
-    log.setLevel(logging.WARNING)  # it logs every node at INFO
-    try:
-        quantizer = matmul_nbits_quantizer.MatMulNBitsQuantizer(str(src), bits=4, block_size=WEIGHT_BLOCK,
-                                                                is_symmetric=False)
-        quantizer.process()
-    finally:
-        log.setLevel(level)
-    _half_embeddings(quantizer.model.model)
-    quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
-
-
-def _half_embeddings(model: onnx.ModelProto) -> None:
-    """Embedding tables (Gather from a float initializer) stored as fp16 and cast back after the lookup,
-    as the planner counts them: half the bytes of the largest tensor MatMulNBits leaves in fp32."""
-    graph = model.graph
-    uses = Counter(name for node in graph.node for name in node.input)
-    tables = {t.name: t for t in graph.initializer
-              if t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and uses[t.name] == 1}
-    nodes = []
-    for node in graph.node:
-        nodes.append(node)
-        if node.op_type != "Gather" or node.input[0] not in tables:
-            continue
-        table = tables.pop(node.input[0])
-        table.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(table).astype(np.float16), table.name))
-        out = node.output[0]
-        node.output[0] = f"{out}.fp16"
-        nodes.append(helper.make_node("Cast", [node.output[0]], [out], to=TensorProto.FLOAT, name=f"{node.name}.cast"))
-    del graph.node[:]
-    graph.node.extend(nodes)
 
 
 # -- the pure-ONNX fallback -------------------------------------------------------------------
@@ -153,7 +57,7 @@ def make_fallback(model: onnx.ModelProto) -> onnx.ModelProto:
     inputs = {v.name: v for v in graph.input}
     nodes = [n for n in graph.node if n.domain == DOMAIN and n.op_type == OP]
     if not nodes:
-        raise OscarInputError(f"no {DOMAIN}.{OP} node in the model: expected a graph from export_onnx")
+        raise OscarInputError(f"no {DOMAIN}.{OP} node in the model: expected a graph from the laptop export")
     for node in nodes:
         cache = list(node.input[3:3 + len(CACHE_NAMES)])
         node.op_type = FALLBACK_OP
@@ -280,7 +184,5 @@ def _fallback_function(attrs: dict, shapes: dict, opset: int) -> ir.Function:
         # A region without slots passes its (empty) buffer through.
         return (out, *(updated[name] if name in updated else op.Identity(cache[name]) for name in CACHE_NAMES))
 
-    dtypes = {"q": f32, "k_levels": f32, "v_levels": f32, "k_codes": ir.DataType.UINT8, "v_codes": ir.DataType.UINT8,
-              "length": i64}
-    inputs = [ir.Value(name=name, type=ir.TensorType(dtypes.get(name, f16))) for name in INPUTS]
+    inputs = [ir.Value(name=name, type=ir.TensorType(_IR_TYPES[dtype])) for name, dtype in INPUT_DTYPES]
     return onnxscript.build_function(body, inputs, domain=DOMAIN, name=FALLBACK_OP, opset_imports={"": opset})

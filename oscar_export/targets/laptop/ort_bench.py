@@ -14,12 +14,12 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
-from ..cache import capacities
-from ..codec import packed_bytes
-from ..config import OscarConfig
-from .bench import check_bench_args
-from .graph import ATTRIBUTES, CACHE_NAMES
-from .onnx_export import DOMAIN, INPUTS, OP
+from ...cache import capacities
+from ...codec import packed_bytes
+from ...config import OscarConfig
+from ...export.bench import check_bench_args
+from ...ops.attention import ATTRIBUTES, CACHE_NAMES, INPUTS
+from ...ops.onnx import DOMAIN, OP
 
 MIN_SECONDS, MIN_RUNS = 0.5, 10
 _ONNX = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16, np.uint8: TensorProto.UINT8,
@@ -60,7 +60,7 @@ def _session(model: bytes, threads: int, library: str | None = None) -> ort.Infe
 def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
                     config: OscarConfig | None = None, threads: int | None = None) -> dict:
     """Median decode-step latency of both kernels at each context; speedup = baseline / oscar."""
-    from ..native import ort_library_path
+    from ...native import ort_library_path
 
     config, threads = check_bench_args(contexts, q_heads, kv_heads, head_dim, config, threads)
     library = str(ort_library_path())

@@ -10,9 +10,9 @@ import argparse
 import json
 from pathlib import Path
 
-from .cli import add_cache_flags, config_from_args, positive_int
-from .config import OscarInputError
-from .evaluate import DEFAULT_METHODS, METHODS, METRICS
+from .flags import add_cache_flags, config_from_args, number_list, positive_int
+from ..config import OscarInputError
+from ..evaluate import DEFAULT_METHODS, METHODS, METRICS
 
 
 def _names(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -24,27 +24,16 @@ def _names(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
 
 
 def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(n) for n in text.split(",") if n.strip()]
-    except ValueError:
-        values = []
-    if not values or any(v <= 0 for v in values):
-        raise OscarInputError(f"{flag}={text!r}: expected comma-separated positive integers, e.g. 512,1024,2048")
-    return values
+    return number_list(text, flag, int, lambda v: v > 0, "comma-separated positive integers, e.g. 512,1024,2048")
 
 
 def _floats(text: str, flag: str) -> list[float]:
-    try:
-        values = [float(n) for n in text.split(",") if n.strip()]
-    except ValueError:
-        values = []
-    if not values or any(not 0.0 <= v <= 1.0 for v in values):
-        raise OscarInputError(f"{flag}={text!r}: expected comma-separated fractions in [0, 1], e.g. 0.1,0.5,0.9")
-    return values
+    return number_list(text, flag, float, lambda v: 0.0 <= v <= 1.0,
+                       "comma-separated fractions in [0, 1], e.g. 0.1,0.5,0.9")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from .evaluate import evaluate, plot, print_table
+    from ..evaluate import evaluate, plot, print_table
 
     result = evaluate(
         args.model,

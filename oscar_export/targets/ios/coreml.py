@@ -1,7 +1,7 @@
 """Core ML conversion of OscarCausalLM (the ios target): an ML program for iOS 18 / macOS 15.
 
 The shared module (graph.py, functional=True) is traced with torch.export while RowsComposition
-turns each oscar op into standard ops (coreml_ops.py), then converted with coremltools.
+turns each oscar op into standard ops (ops/coreml.py), then converted with coremltools.
 
 Model I/O (docs/ios.md): inputs `input_ids` int32 [1, T] (T = 1 .. max_chunk), `length` int32 [1],
 and per layer the cache `layer{i}_k_sink` ... `layer{i}_v_zero` (codes as int32 words, the rest
@@ -19,13 +19,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..cache import KINDS
-from ..config import OscarInputError
-from .coreml_ops import ROW_NAMES, RowsComposition, register_coreml_ops
-from .graph import OscarCausalLM
+from ...cache import KINDS
+from ...config import OscarInputError
+from ...ops.coreml import ROW_NAMES, RowsComposition, register_coreml_ops
+from ...export.graph import OscarCausalLM
 
 MODEL_FILE = "model.mlpackage"
-WEIGHT_BLOCK = 32  # input channels per 4-bit weight scale
 _NUMPY = {torch.float16: np.float16, torch.int32: np.int32}
 
 
@@ -100,8 +99,9 @@ def unsupported_ops(program: torch.export.ExportedProgram) -> list[str]:
 
 
 def convert(module: OscarCausalLM, max_context: int, max_chunk: int, float_weights: bool = False,
-            compute_precision=None):
-    """The Core ML model (coremltools MLModel, not yet saved). compute_precision: fp32 unless given."""
+            compute_precision=None, weight_block: int = 32):
+    """The Core ML model (coremltools MLModel, not yet saved). compute_precision: fp32 unless given; 4-bit
+    weights unless float_weights, a scale per weight_block input channels."""
     import coremltools as ct
 
     program = trace(module, max_context, max_chunk)
@@ -125,7 +125,7 @@ def convert(module: OscarCausalLM, max_context: int, max_chunk: int, float_weigh
     model = ct.convert(mil, convert_to="mlprogram", minimum_deployment_target=ct.target.iOS18,
                        compute_precision=precision, pass_pipeline=ct.PassPipeline.EMPTY, skip_model_load=True)
     if not float_weights:
-        model = compress_weights(model)
+        model = compress_weights(model, weight_block)
     return model
 
 
@@ -151,8 +151,8 @@ def _store_weights_fp16(main) -> None:
         main.remove_ops([op])
 
 
-def compress_weights(model):
-    """4-bit weights: linear quantization per block of WEIGHT_BLOCK input channels (iOS 18 blockwise ops).
+def compress_weights(model, block: int):
+    """4-bit weights: linear quantization per `block` input channels (iOS 18 blockwise ops).
 
     Only the model's parameters (`p_*` constants); rotations and other buffers keep their precision,
     since a quantized rotation is no longer orthogonal.
@@ -165,7 +165,7 @@ def compress_weights(model):
     keep = {op.name: None for op in program.functions["main"].operations
             if op.op_type == "const" and not op.name.startswith("p_")}
     op = cto.OpLinearQuantizerConfig(mode="linear_symmetric", dtype="int4", granularity="per_block",
-                                     block_size=WEIGHT_BLOCK, weight_threshold=2048)
+                                     block_size=block, weight_threshold=2048)
     return cto.linear_quantize_weights(model, cto.OptimizationConfig(global_config=op, op_name_configs=keep))
 
 

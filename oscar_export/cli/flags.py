@@ -1,0 +1,154 @@
+"""What the commands share: the argument parser class, argument types, the KV cache flags and how
+they merge with a rotation file's settings into an OscarConfig, and the flags every export takes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ..calibrations import DEFAULT_TOKENS
+from ..config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError, default_cluster_dim
+
+
+class Parser(argparse.ArgumentParser):
+    """Bad arguments give one line and exit code 2, never a usage dump."""
+
+    def error(self, message: str) -> None:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: expected a positive integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not positive: expected a positive integer")
+    return value
+
+
+def thread_count(text: str) -> int:
+    """--threads: 0 (the runtime's default) up to four per core; more only thrashes, and huge counts hang."""
+    limit = 4 * (os.cpu_count() or 1)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: expected 0..{limit}") from None
+    if not 0 <= value <= limit:
+        raise argparse.ArgumentTypeError(f"{value}: expected 0 (the runtime's default) .. {limit} (4 per core)")
+    return value
+
+
+def context_tokens(text: str) -> int:
+    """--context: a positive token count within what a cache can be planned for."""
+    from ..export.artifact import MAX_CONTEXT
+
+    value = positive_int(text)
+    if value > MAX_CONTEXT:
+        raise argparse.ArgumentTypeError(f"{value} tokens: expected at most {MAX_CONTEXT}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: expected a token count >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is negative: expected a token count >= 0")
+    return value
+
+
+def add_cache_flags(p: argparse.ArgumentParser) -> None:
+    defaults = OscarConfig()
+    g = p.add_argument_group("KV cache format")
+    g.add_argument("--bits", type=int, choices=SUPPORTED_BITS, default=defaults.k_bits, help="bits per K and V code")
+    g.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, help="bits per K code (overrides --bits)")
+    g.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="bits per V code (overrides --bits)")
+    g.add_argument("--cluster-dim", type=int, choices=SUPPORTED_CLUSTER_DIMS,
+                   help=f"quantization group along head_dim (default {defaults.cluster_dim}, or the largest group "
+                        f"that divides the model's head_dim when {defaults.cluster_dim} does not)")
+    g.add_argument("--k-clip", type=float,
+                   help=f"fraction of each K group's range kept (default: a rotation file's, else {defaults.k_clip})")
+    g.add_argument("--v-clip", type=float,
+                   help=f"fraction of each V group's range kept (default: a rotation file's, else {defaults.v_clip})")
+    g.add_argument("--sink", type=_count, default=defaults.sink, help="fp16 sink tokens (default %(default)s)")
+    g.add_argument("--recent", type=_count, default=defaults.recent, help="fp16 recent window (default %(default)s)")
+
+
+def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = None) -> OscarConfig:
+    """The cache flags; clip ratios and codebook a calibrated rotation file carries apply unless overridden."""
+    meta = rotation_metadata or {}
+    defaults = OscarConfig()
+    cluster_dim = args.cluster_dim
+    if cluster_dim is None:
+        from ..models import model_shape
+
+        cluster_dim = default_cluster_dim(model_shape(args.model).head_dim if getattr(args, "model", None) else None)
+    return OscarConfig(
+        k_bits=args.k_bits or args.bits,
+        v_bits=args.v_bits or args.bits,
+        cluster_dim=cluster_dim,
+        k_clip=args.k_clip if args.k_clip is not None else meta.get("k_clip") or defaults.k_clip,
+        v_clip=args.v_clip if args.v_clip is not None else meta.get("v_clip") or defaults.v_clip,
+        codebook=meta.get("codebook") or defaults.codebook,
+        sink=args.sink,
+        recent=args.recent,
+    )
+
+
+def export_parser(target) -> argparse.ArgumentParser:
+    """The flags every target's export takes; the target adds its own (android: --group-size)."""
+    p = Parser(prog=f"oscar-export --target {target.name}", description=f"Export a model: {target.description}.")
+    p.add_argument("--target", choices=(target.name,), required=True)
+    p.add_argument("--model", default="bundled", help="'bundled' or a local Hugging Face checkpoint directory")
+    p.add_argument("--rotations", default="calibrate",
+                   help="calibrate (OSCAR rotations and clips fitted on --calibration-text, cached), a rotation "
+                        "file, hadamard (data-free) or none (default %(default)s)")
+    p.add_argument("--calibration-text", type=Path,
+                   help="UTF-8 text for --rotations calibrate (default: the bundled public-domain text)")
+    p.add_argument("--calibration-tokens", type=positive_int, default=DEFAULT_TOKENS,
+                   help="tokens for --rotations calibrate (default %(default)s)")
+    p.add_argument("--context", type=context_tokens,
+                   help="max tokens of the cache (default: the model's max_position_embeddings, at most 4096)")
+    p.add_argument("--out", type=Path, default=target.default_out,
+                   help="artifact directory (default %(default)s)")
+    p.add_argument("--float-weights", action="store_true", help=target.float_weights_help)
+    p.add_argument("--device-memory", default=target.options.device_memory,
+                   help="memory for the manifest's plan (default %(default)s)")
+    p.add_argument("--json", action="store_true", help="print the manifest")
+    add_cache_flags(p)
+    p.set_defaults(k_clip=None, v_clip=None)  # unset: a rotation file's clip ratios apply
+    target.add_export_flags(p)
+    return p
+
+
+def export_rotations(args: argparse.Namespace) -> tuple[object, str]:
+    """--rotations as the export takes it, and a few words on where it came from. `calibrate` is a cached
+    calibration for the model, text and cache format (calibrations.calibrated_rotations)."""
+    if args.rotations != "calibrate":
+        if args.calibration_text is not None:
+            raise OscarInputError(f"--calibration-text is for --rotations calibrate, not {args.rotations!r}")
+        return args.rotations, args.rotations
+    from ..calibrations import calibrated_rotations
+
+    config = config_from_args(args)
+    path, reused = calibrated_rotations(args.model, config, args.calibration_text, args.calibration_tokens)
+    return path, "calibrated (reused)" if reused else "calibrated"
+
+
+def number_list(text: str, flag: str, convert, valid, expected: str) -> list:
+    """Comma-separated numbers, at least one, each converted and valid; else one error naming the flag."""
+    try:
+        values = [convert(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(valid(v) for v in values):
+        raise OscarInputError(f"{flag}={text!r}: expected {expected}")
+    return values
+
+
+def contexts(text: str) -> list[int]:
+    return number_list(text, "--context", int, lambda v: v > 0,
+                       "comma-separated positive token counts, e.g. 4096,32768")

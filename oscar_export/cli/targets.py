@@ -1,0 +1,126 @@
+"""`oscar-export --target T`, `run` and `bench`: each asks the target registry (oscar_export/targets)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..config import OscarInputError
+from ..targets import get, names, registry
+from .flags import (Parser, add_cache_flags, config_from_args, contexts, export_parser, export_rotations, positive_int,
+                    thread_count)
+
+
+def export_target(argv: list[str]) -> int:
+    """Run `oscar-export --target TARGET ...`; argv is the whole command line."""
+    from ..export.pipeline import export_artifact
+
+    pre = Parser(prog="oscar-export", add_help=False)
+    pre.add_argument("--target", choices=names())
+    target = get(pre.parse_known_args(argv)[0].target)
+    args = export_parser(target).parse_args(argv)
+    missing = target.missing()
+    try:
+        if missing:
+            raise OscarInputError(f"this target cannot export here: {missing}")
+        options = target.export_options(args)
+        rotations, calibration = export_rotations(args)
+        manifest = export_artifact(target, args.model, args.out, rotations=rotations, max_context=args.context,
+                                   float_weights=args.float_weights, device_memory=args.device_memory,
+                                   options=options, k_bits=args.k_bits or args.bits, v_bits=args.v_bits or args.bits,
+                                   cluster_dim=args.cluster_dim, k_clip=args.k_clip, v_clip=args.v_clip,
+                                   sink=args.sink, recent=args.recent)
+    except (OscarInputError, RuntimeError) as err:  # RuntimeError: a native library could not be built
+        print(f"oscar-export --target {target.name}: error: {err}".splitlines()[0], file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(manifest, indent=2))
+        return 0
+    total = sum(f["bytes"] for f in manifest["files"].values())
+    line = (f"wrote {args.out}: {len(manifest['files'])} files, {total / 2**20:.1f} MiB, weights {manifest['weights']}, "
+            f"context {manifest['max_context']}, rotations {calibration}")
+    if "cache" in manifest:
+        line += f", cache {manifest['cache']['bits_per_element_at_max_context']:.3f} bits per K/V element"
+    print(line)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from ..export.pipeline import run_artifact
+
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates
+        raise OscarInputError("--prompt is not valid UTF-8: expected text") from None
+    result = run_artifact(args.artifact, args.prompt, args.max_new_tokens, args.runtime, args.threads)
+    print(json.dumps(result) if args.json else result["text"])
+    return 0
+
+
+def bench_targets() -> dict:
+    """bench --runtime name -> the target whose runtime it is, for targets that benchmark something."""
+    return {t.runtime: t for t in registry().values() if t.bench_kinds}
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..targets import BenchRequest
+
+    runtimes = bench_targets()
+    if args.runtime is None:  # the first runtime that measures this and can run here
+        usable = [r for r, t in runtimes.items() if args.what in t.bench_kinds and t.missing() is None]
+        args.runtime = (usable or list(runtimes))[0]
+    target = runtimes[args.runtime]
+    if args.what not in target.bench_kinds:
+        raise OscarInputError(f"bench {args.what} --runtime {args.runtime}: not available for the {target.name} "
+                              f"target: expected one of {target.bench_kinds}")
+    missing = target.missing()
+    if missing:
+        raise OscarInputError(f"bench --runtime {args.runtime}: {missing}")
+    request = BenchRequest(contexts(args.context), args.model, config_from_args(args), args.threads or None,
+                           args.steps)
+    report = target.bench(args.what, request)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        target.print_bench(args.what, request, report)
+    return 0
+
+
+def add_target_commands(sub) -> None:
+    targets = registry().values()
+    p = sub.add_parser("run", help="generate text from an exported artifact",
+                       description="Greedy generation from an artifact written by --target.")
+    p.add_argument("--artifact", required=True, type=Path, help="directory written by --target")
+    p.add_argument("--prompt", required=True, help="prompt text")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default %(default)s)")
+    p.add_argument("--runtime", choices=tuple(dict.fromkeys(r for t in targets for r in t.run_runtimes())),
+                   help="default: the target's runtime. " + "; ".join(f"{t.name}: {', '.join(t.run_runtimes())}"
+                                                                     for t in targets)
+                        + ". reference runs the eager graph (PyTorch) with the artifact's own weights, config and "
+                          "rotations (it needs the source checkpoint)")
+    p.add_argument("--threads", type=thread_count, default=0, help="runtime threads (0: its default)")
+    p.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": "..."}')
+    p.set_defaults(func=cmd_run)
+
+    runtimes = bench_targets()
+    p = sub.add_parser("bench", help="benchmark the OSCAR attention kernels and decoding",
+                       description="attention: decode-attention latency of the OSCAR op against the runtime's own "
+                                   "attention over the same context. decode: end-to-end decode tokens/s of the "
+                                   "exported model with the OSCAR cache against an fp32 KV cache. Same threads, "
+                                   "measured in one run.")
+    p.add_argument("what", choices=tuple(dict.fromkeys(k for t in runtimes.values() for k in t.bench_kinds)))
+    p.add_argument("--steps", type=positive_int, default=64,
+                   help="decode: timed greedy steps per context (default %(default)s)")
+    p.add_argument("--runtime", choices=tuple(runtimes),
+                   help="runtime whose kernels and baselines are timed (default: the first installed one that "
+                        "measures WHAT: " + ", ".join(f"{r} ({'/'.join(t.bench_kinds)})" for r, t in runtimes.items())
+                        + ")")
+    p.add_argument("--context", default="4096,32768", help="comma-separated contexts (default %(default)s)")
+    p.add_argument("--model", default="bundled", help="model whose attention shape is used: 'bundled', a preset "
+                                                      "(llama-3-8b, ...) or a local checkpoint")
+    p.add_argument("--threads", type=thread_count, help="threads for both (default or 0: every core)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_cache_flags(p)
+    p.set_defaults(func=cmd_bench)

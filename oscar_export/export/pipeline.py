@@ -1,0 +1,85 @@
+"""The one export pipeline every target goes through, and the runs every artifact shares.
+
+export_artifact: check the arguments, load the model and its shape, choose the context, resolve
+the rotations and the cache config, build the exportable graph (graph.OscarCausalLM), let the
+target lower it and quantize its weights, then write the artifact atomically with its manifest and
+memory plan. A target supplies only Target.lower (targets/).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..config import OscarInputError
+from ..targets import REFERENCE, Target, TargetOptions, get
+from .artifact import (check_export_args, config_for, default_context, eager_trace, finish_manifest, load_manifest,
+                       prompt_ids, save_inputs, staged)
+
+
+def export_artifact(target: str | Target, model_name: str, out, rotations="hadamard", max_context: int | None = None,
+                    float_weights: bool = False, device_memory: str | None = None,
+                    options: TargetOptions | None = None, **config_fields) -> dict:
+    """Export `model_name` ('bundled' or a local checkpoint) for `target` into the directory `out`; returns the
+    manifest. config_fields: OscarConfig fields (k_bits, cluster_dim, sink, ...); None keeps the default, or
+    the rotation file's value for clip ratios and codebook."""
+    from ..hf_cache import resolve_rotations
+    from ..models import load_model, model_shape
+    from ..planner import plan
+    from .graph import OscarCausalLM
+
+    target = get(target) if isinstance(target, str) else target
+    options = options or target.options
+    memory = check_export_args(out, rotations, device_memory or options.device_memory)
+    shape = model_shape(model_name)
+    max_context = default_context(shape, max_context)
+    target.check(options, config_fields, max_context)
+    model, tokenizer = load_model(model_name)
+    max_chunk = min(options.max_chunk, max_context)
+    resolved = resolve_rotations(rotations, model)
+    config = config_for(resolved, shape.head_dim, **config_fields)
+    module = OscarCausalLM(model, config, resolved).eval()
+    lowered = target.lower(module, model, tokenizer, max_context, max_chunk, float_weights, options)
+    with staged(out) as temp:
+        lowered.write(temp)
+        return finish_manifest(temp, target.name, target.runtime, model_name, model, shape,
+                               save_inputs(temp, tokenizer, rotations, resolved), config, max_context, max_chunk,
+                               lowered.weights, plan(shape, config, memory, max_context, **lowered.plan_args),
+                               target.packages, **lowered.manifest)
+
+
+def open_artifact(directory) -> tuple[Path, dict, Target]:
+    """The artifact's directory, verified manifest and target."""
+    directory = Path(directory)
+    manifest = load_manifest(directory)
+    return directory, manifest, get(manifest["target"])
+
+
+def check_runtime(target: Target, runtime: str | None) -> str:
+    allowed = target.run_runtimes()
+    runtime = runtime or allowed[0]
+    if runtime not in allowed:
+        raise OscarInputError(f"--runtime {runtime!r} does not run a {target.name} artifact: expected one of "
+                              f"{allowed}")
+    return runtime
+
+
+def reference_trace(directory, ids: list[int], steps: int, device: str = "cpu") -> dict:
+    """The artifact's reference run: the eager graph with the artifact's config, rotations and its own weights
+    (as the target stores them), greedy: tokens, each step's logits, the packed body codes by cache name."""
+    directory, manifest, target = open_artifact(directory)
+    module = target.artifact_module(directory, manifest).to(device)
+    return eager_trace(module, ids, steps, manifest["max_context"], manifest["max_chunk"], manifest["eos_token_ids"],
+                       device)
+
+
+def run_artifact(directory, prompt: str, max_new_tokens: int, runtime: str | None = None, threads: int = 0) -> dict:
+    """Greedy generation from an artifact on one of its target's runtimes: {"tokens": [...], "text": "..."}."""
+    from transformers import AutoTokenizer
+
+    directory, manifest, target = open_artifact(directory)
+    runtime = check_runtime(target, runtime)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    if runtime == REFERENCE:
+        tokens = reference_trace(directory, prompt_ids(tokenizer, prompt), max_new_tokens)["tokens"]
+        return {"tokens": tokens, "text": tokenizer.decode(tokens)}
+    return target.generate(directory, manifest, runtime, tokenizer, prompt, max_new_tokens, threads)

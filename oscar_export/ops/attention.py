@@ -1,0 +1,104 @@
+"""oscar::attention: the op every backend implements, defined once.
+
+Its schema (torch.library), fake (shape propagation for torch.export), reference kernel and the
+buffer table live here. The reference is OscarKVCache.attend wrapped around the caller's buffers,
+so eager runs are the normative math; the native kernels (runtime_ops/, ONNX Runtime and
+ExecuTorch adapters) and the lowerings (ops/onnx.py, ops/coreml.py) mirror it, and
+tests/test_ops.py checks the buffer table against the C++ adapters' tables.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache import KINDS, OscarKVCache, capacities
+from ..config import OscarConfig, OscarInputError
+
+# One layer's cache buffers, in the op's input order (after q, k_new, v_new).
+CACHE_NAMES = ("k_sink", "v_sink", "k_recent", "v_recent", "k_codes", "k_scale", "k_zero",
+               "v_codes", "v_scale", "v_zero")
+ATTRIBUTES = ("k_bits", "v_bits", "cluster_dim", "sink", "recent", "k_clip", "v_clip", "scaling")
+
+# Every input of the op in order, with its dtype: the table the native adapters check against
+# (oscar_core.h kBufferNames; oscar_ort.cc and oscar_et.cc kInputTypes). `length` is the op's last input.
+INPUT_DTYPES = (("q", torch.float32), ("k_new", torch.float16), ("v_new", torch.float16),
+                *((name, torch.uint8 if name.endswith("_codes") else torch.float16) for name in CACHE_NAMES),
+                ("k_levels", torch.float32), ("v_levels", torch.float32), ("length", torch.int64))
+INPUTS = tuple(name for name, _ in INPUT_DTYPES)
+
+
+_ATTRS = "int k_bits, int v_bits, int cluster_dim, int sink, int recent, float k_clip, float v_clip, float scaling"
+_MUTABLE = ", ".join(f"Tensor({chr(ord('a') + i)}!) {name}" for i, name in enumerate(CACHE_NAMES))
+_PLAIN = ", ".join(f"Tensor {name}" for name in CACHE_NAMES)
+
+
+def _schema(cache: str) -> str:
+    return f"Tensor q, Tensor k_new, Tensor v_new, {cache}, Tensor k_levels, Tensor v_levels, Tensor length, {_ATTRS}"
+
+
+_lib = torch.library.Library("oscar", "DEF")
+# Updates the cache buffers in place, as the native ONNX Runtime and ExecuTorch kernels do.
+_lib.define(f"attention({_schema(_MUTABLE)}) -> Tensor")
+_lib.define(f"attention.out({_schema(_MUTABLE)}, *, Tensor(z!) out) -> Tensor(z!)")
+# The same op with the updated buffers as outputs: what ONNX can express (ops/onnx.py).
+_lib.define(f"attention_functional({_schema(_PLAIN)}) -> (Tensor, {', '.join(['Tensor'] * len(CACHE_NAMES))})")
+
+
+def wrap_cache(cache, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip):
+    """An OscarKVCache of one layer whose storage is the given buffers (written in place)."""
+    given = dict(zip(CACHE_NAMES, cache))
+    kv_heads, head_dim = given["k_sink"].shape[0], given["k_sink"].shape[-1]
+    caps = (given["k_sink"].shape[1], given["k_recent"].shape[1], given["k_codes"].shape[1])
+    config = OscarConfig(k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, k_clip=k_clip, v_clip=v_clip,
+                         codebook="lloyd-max", sink=sink, recent=recent)  # uniform levels are a valid codebook
+    if capacities(config, sum(caps)) != caps:
+        raise OscarInputError(f"cache capacities (sink, recent, body) = {caps}: expected "
+                              f"{capacities(config, sum(caps))} for sink={sink}, recent={recent}")
+    kv = OscarKVCache(config, 1, kv_heads, head_dim, max(sum(caps), 1), k_levels=[k_levels], v_levels=[v_levels],
+                      device=given["k_sink"].device)
+    for kind in KINDS:
+        for region in ("sink", "recent", "codes", "scale", "zero"):
+            name, want = f"{kind}_{region}", getattr(kv, region)[kind]
+            if given[name].shape != want.shape[1:] or given[name].dtype != want.dtype:
+                raise OscarInputError(f"{name} is {given[name].dtype} {tuple(given[name].shape)}: "
+                                      f"expected {want.dtype} {tuple(want.shape[1:])}")
+            getattr(kv, region)[kind] = given[name].unsqueeze(0)  # a view: the op writes the caller's buffer
+    kv.length[0] = int(length.reshape(-1)[0])
+    return kv
+
+
+def _attention(q, k_new, v_new, *args):
+    *cache, k_levels, v_levels, length = args[:13]
+    k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip, scaling = args[13:]
+    kv = wrap_cache(cache, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip)
+    return kv.attend(0, q, k_new, v_new, scaling)
+
+
+def _attention_out(*args, out):
+    return out.copy_(_attention(*args))
+
+
+def _attention_functional(q, k_new, v_new, *args):
+    cache = [t.clone() for t in args[: len(CACHE_NAMES)]]
+    out = _attention(q, k_new, v_new, *cache, *args[len(CACHE_NAMES):])
+    return (out, *cache)
+
+
+_lib.impl("attention", _attention, "CompositeExplicitAutograd")
+_lib.impl("attention.out", _attention_out, "CompositeExplicitAutograd")
+_lib.impl("attention_functional", _attention_functional, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("oscar::attention")
+def _(q, *args):
+    return q.new_empty(q.shape)
+
+
+@torch.library.register_fake("oscar::attention.out")
+def _(*args, out):
+    return out
+
+
+@torch.library.register_fake("oscar::attention_functional")
+def _(q, k_new, v_new, *args):
+    return (q.new_empty(q.shape), *(t.new_empty(t.shape) for t in args[: len(CACHE_NAMES)]))

@@ -1,0 +1,169 @@
+"""Export targets: one package per target under this folder, each registering one Target.
+
+A Target says what its artifact is (runtime, packages, defaults in a typed options dataclass),
+lowers the exportable graph and writes its files (export/pipeline.py does everything else),
+runs an artifact on each of its runtimes, traces it for parity, and benchmarks its kernels.
+The CLI's --target, `run`, `bench` and `parity` and `info` ask this registry; adding a target is
+adding a package here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import pkgutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ..config import OscarInputError
+
+REFERENCE = "reference"  # every target's run/parity runtime: the eager graph with the artifact's own weights
+
+
+@dataclass(frozen=True)
+class TargetOptions:
+    """Settings every target has; a target's subclass adds its own, with its defaults."""
+
+    max_chunk: int = 512  # the longest prefill chunk one call takes; longer prompts run in chunks
+    device_memory: str = "8GB"  # what the manifest's memory plan is made for
+
+
+@dataclass
+class Lowered:
+    """What a target's lowering hands back to the pipeline: a writer for its files in the staging
+    directory, how its weights are stored, the planner's weight arguments and extra manifest fields."""
+
+    write: Callable[[Path], None]
+    weights: str
+    plan_args: dict = field(default_factory=dict)
+    manifest: dict = field(default_factory=dict)
+
+
+class Target:
+    """One export target. Subclasses set the class attributes and implement lower() and runner()."""
+
+    name: str
+    runtime: str  # the runtime its artifact is for
+    description: str
+    options: TargetOptions = TargetOptions()
+    packages: tuple[str, ...] = ()  # distributions whose versions the manifest records; all must be installed
+    runtimes: dict[str, str] = {}  # run/parity runtimes besides the reference: name -> how it runs
+    bench_kinds: tuple[str, ...] = ()  # what `bench` measures on this target's runtime
+    float_weights_help: str = "keep float weights"
+
+    @property
+    def default_out(self) -> Path:
+        return Path(f"oscar-{self.name}")
+
+    def run_runtimes(self) -> tuple[str, ...]:
+        """`run --runtime` choices, the default first."""
+        return (*self.runtimes, REFERENCE)
+
+    def missing(self) -> str | None:
+        """Why this target cannot export here (a package is missing), or None."""
+        for package in self.packages:
+            module = package.replace("-", "_")
+            if module != "oscar_export" and importlib.util.find_spec(module) is None:
+                return f"the {package} package is not installed (pip install 'oscar-export[{self.name}]')"
+        return None
+
+    # -- export ----------------------------------------------------------------------------
+
+    def add_export_flags(self, parser: argparse.ArgumentParser) -> None:
+        """Flags of this target's export beyond the common ones (export/pipeline.py)."""
+
+    def export_options(self, args: argparse.Namespace) -> TargetOptions:
+        return self.options
+
+    def check(self, options: TargetOptions, config_fields: dict, max_context: int) -> None:
+        """Reject a layout this target cannot run, before the model is loaded."""
+
+    def lower(self, module, model, tokenizer, max_context: int, max_chunk: int, float_weights: bool,
+              options: TargetOptions) -> Lowered:
+        raise NotImplementedError
+
+    # -- run and parity ----------------------------------------------------------------------
+
+    def runner(self, directory: Path, manifest: dict, runtime: str, threads: int):
+        """A GreedyLM (export/artifact.py) over the artifact on `runtime`, one of self.runtimes."""
+        raise NotImplementedError
+
+    def generate(self, directory: Path, manifest: dict, runtime: str, tokenizer, prompt: str, max_new_tokens: int,
+                 threads: int) -> dict:
+        """Greedy generation on `runtime`: {"tokens": [...], "text": "..."}."""
+        from ..export.artifact import prompt_ids
+
+        runner = self.runner(directory, manifest, runtime, threads)
+        tokens = runner.generate(prompt_ids(tokenizer, prompt), max_new_tokens, manifest["eos_token_ids"])
+        return {"tokens": tokens, "text": tokenizer.decode(tokens)}
+
+    def artifact_module(self, directory: Path, manifest: dict):
+        """The eager graph with the weights as the artifact stores them: the reference runtime."""
+        from ..export.artifact import eager_module
+
+        return eager_module(directory, manifest)
+
+    def parity_limits(self, manifest: dict) -> dict[str, float]:
+        """Limits of parity --artifact that this artifact's weights loosen (parity.ARTIFACT_THRESHOLDS otherwise)."""
+        return {}
+
+    def unavailable_runtimes(self) -> dict[str, str]:
+        """Runtimes of this target that cannot run here: name -> why."""
+        return {}
+
+    def trace(self, directory: Path, manifest: dict, runtime: str, ids: list[int], steps: int) -> dict:
+        """Greedy tokens, each step's logits and the packed body codes by cache name (parity.py)."""
+        runner = self.runner(directory, manifest, runtime, 0)
+        tokens, logits = runner.trace(ids, steps, manifest["eos_token_ids"])
+        return {"tokens": tokens, "logits": logits, "codes": runner.body_codes()}
+
+    # -- bench ---------------------------------------------------------------------------------
+
+    def bench(self, what: str, request: "BenchRequest") -> dict:
+        raise NotImplementedError
+
+    def print_bench(self, what: str, request: "BenchRequest", report: dict) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class BenchRequest:
+    """What `bench` was asked: contexts, the model whose shape is used, the cache config, threads, steps."""
+
+    contexts: list[int]
+    model: str
+    config: object
+    threads: int | None
+    steps: int
+
+
+_REGISTRY: dict[str, Target] = {}
+
+
+def register(target: Target) -> Target:
+    if target.name in _REGISTRY:
+        raise ValueError(f"target {target.name!r} is registered twice")
+    _REGISTRY[target.name] = target
+    return target
+
+
+def registry() -> dict[str, Target]:
+    """Every target, by name: the packages in this folder register themselves when imported."""
+    if not _REGISTRY:
+        for info in pkgutil.iter_modules(__path__):
+            if info.ispkg:
+                importlib.import_module(f"{__name__}.{info.name}")
+    return _REGISTRY
+
+
+def names() -> tuple[str, ...]:
+    return tuple(sorted(registry()))
+
+
+def get(name: str) -> Target:
+    targets = registry()
+    if name not in targets:
+        raise OscarInputError(f"target {name!r}: expected one of {names()}")
+    return targets[name]

@@ -1,0 +1,244 @@
+"""The android target: model.pte for ExecuTorch (XNNPACK for the dense layers, the native
+oscar::attention kernel over a packed cache kept in the program's mutable buffers).
+
+Directory contents: model.pte, liboscar_executorch.so (the kernel library for this machine),
+native/ (the C++ sources of the kernel and core, a CMake snippet, for an app's NDK build), the
+tokenizer files, the rotation file when one was used, and manifest.json.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...config import OscarInputError
+from ...export.artifact import eos_ids
+from ...ops.attention import CACHE_NAMES
+from .. import BenchRequest, Lowered, Target, TargetOptions, register
+
+MODEL_FILE = "model.pte"
+LIBRARY_FILE = "liboscar_executorch.so"
+NATIVE_DIR = "native"
+
+
+@dataclass(frozen=True)
+class AndroidOptions(TargetOptions):
+    max_chunk: int = 256  # the stock runner splits longer prompts into chunks of get_max_seq_len
+    group_size: int = 32  # input channels per 4-bit weight group (--group-size)
+
+
+class _LayerCache(nn.Module):
+    def __init__(self, spec):
+        super().__init__()
+        for name, shape, dtype in spec:
+            # Not persistent: the program keeps the cache as planned memory, never as weights.
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype), persistent=False)
+
+
+class ExecuTorchLM(nn.Module):
+    """forward(tokens [1, T] int64, input_pos [1] int64) -> logits [1, 1, vocab]: the LLM runner's signature.
+
+    The packed cache of every layer lives in this module's buffers (cache.{layer}.{k_sink ...}), which
+    oscar::attention updates in place, so the exported program keeps them as mutable buffers.
+    """
+
+    def __init__(self, lm, max_context: int):
+        super().__init__()
+        if lm.functional:
+            raise OscarInputError("ExecuTorchLM updates the cache in place: expected OscarCausalLM(functional=False)")
+        self.lm, n = lm, len(CACHE_NAMES)
+        spec = [(name.split(".", 1)[1], shape, dtype) for name, shape, dtype in lm.cache_spec(max_context)]
+        self.cache = nn.ModuleList(_LayerCache(spec[i * n:(i + 1) * n]) for i in range(len(lm.layers)))
+
+    def cache_buffers(self) -> list[torch.Tensor]:
+        return [getattr(layer, name) for layer in self.cache for name in CACHE_NAMES]
+
+    def forward(self, tokens, input_pos):
+        return self.lm(tokens, input_pos, *self.cache_buffers())
+
+
+def quantize_weights(module: nn.Module, group_size: int) -> int:
+    """torchao 8-bit dynamic activations, 4-bit grouped weights on every Linear whose inputs divide into
+    groups (XNNPACK runs them); returns how many were quantized."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
+    from torchao.quantization.granularity import PerGroup
+
+    chosen = [m for m in module.modules() if isinstance(m, nn.Linear) and m.in_features % group_size == 0]
+    if not chosen:
+        raise OscarInputError(f"--group-size {group_size}: no linear layer has a multiple of {group_size} inputs")
+    quantize_(module, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
+                                                           weight_granularity=PerGroup(group_size)),
+              filter_fn=lambda m, fqn: any(m is c for c in chosen))
+    return len(chosen)
+
+
+class HalfEmbedding(nn.Module):
+    """An embedding table stored in fp16 (as the planner counts it in 4-bit exports), looked up then cast to fp32."""
+
+    def __init__(self, table: nn.Embedding):
+        super().__init__()
+        self.weight = nn.Parameter(table.weight.detach().half(), requires_grad=False)
+
+    def forward(self, ids):
+        return nn.functional.embedding(ids, self.weight).float()
+
+
+def runner_metadata(model, tokenizer, max_context: int, max_chunk: int) -> dict:
+    """The constant methods ExecuTorch's LLM runner reads (extension/llm/runner/constants.h)."""
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else model.config.bos_token_id
+    return {
+        "get_max_seq_len": max_chunk,        # longest prefill chunk one forward call takes
+        "get_max_context_len": max_context,  # cache capacity
+        "use_kv_cache": True,
+        "use_sdpa_with_kv_cache": False,
+        "enable_dynamic_shape": True,        # a prompt is prefilled in one call, not token by token
+        "get_bos_id": int(bos if bos is not None else -1),
+        "get_eos_ids": eos_ids(model),
+        "get_vocab_size": int(model.config.get_text_config().vocab_size),
+    }
+
+
+def lower(module: ExecuTorchLM, max_context: int, max_chunk: int, metadata: dict):
+    """torch.export with a dynamic prefill length, XNNPACK for the dense layers, the cache as mutable
+    buffers; returns the ExecutorchProgramManager."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from torch.export import Dim, export
+
+    tokens = torch.zeros(1, min(2, max_chunk), dtype=torch.long)
+    dims = ({1: Dim("tokens", min=1, max=max_chunk)}, None)
+    with torch.no_grad():
+        program = export(module, (tokens, torch.zeros(1, dtype=torch.long)), dynamic_shapes=dims, strict=False)
+    edge = to_edge_transform_and_lower(
+        program, partitioner=[XnnpackPartitioner()], constant_methods=metadata,
+        # oscar::attention is opaque to the edge dialect checks (its kernel is ours, not ATen's).
+        compile_config=EdgeCompileConfig(_check_ir_validity=False))
+    # Buffer names let a host read the cache back (ExecuTorchMethod.get_attribute).
+    return edge.to_executorch(ExecutorchBackendConfig(emit_mutable_buffer_names=True))
+
+
+def copy_native_sources(dest: Path) -> None:
+    """What an app's NDK build compiles: the core, the ExecuTorch adapter and the CMake snippet."""
+    from ...native import SOURCES
+
+    (dest / "core").mkdir(parents=True)
+    (dest / "executorch").mkdir()
+    for path in sorted((SOURCES / "core").iterdir()):
+        if path.suffix in (".cc", ".h") and not path.name.startswith("oscar_c_api"):
+            shutil.copy2(path, dest / "core" / path.name)
+    for name in ("oscar_et.cc", "oscar_executorch.cmake"):
+        shutil.copy2(SOURCES / "executorch" / name, dest / "executorch" / name)
+    shutil.copy2(SOURCES / "executorch" / "android" / "CMakeLists.txt", dest / "CMakeLists.txt")
+
+
+class AndroidTarget(Target):
+    name = "android"
+    runtime = "executorch"
+    description = ("model.pte for ExecuTorch (XNNPACK dense layers, the native OSCAR kernel over a packed cache in "
+                   "mutable buffers), the kernel library and its C++ sources for an NDK build, tokenizer and "
+                   "manifest.json")
+    options = AndroidOptions()
+    packages = ("oscar-export", "torch", "transformers", "executorch", "torchao")
+    runtimes = {"executorch": "ExecuTorch pybindings with the native kernel library",
+                "stock-runner": "ExecuTorch's C++ TextLLMRunner, as an Android app runs it (tokens only)"}
+    bench_kinds = ("attention",)
+    float_weights_help = "keep float weights (default: 4-bit grouped weights, 8-bit dynamic activations)"
+
+    def add_export_flags(self, parser):
+        parser.add_argument("--group-size", type=int, default=self.options.group_size,
+                            help="input channels per 4-bit weight group (default %(default)s)")
+
+    def export_options(self, args):
+        if args.group_size <= 0:
+            raise OscarInputError(f"--group-size {args.group_size}: expected a positive channel count")
+        return replace(self.options, group_size=args.group_size)
+
+    def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options) -> Lowered:
+        from ...native import executorch_library_path
+
+        library = executorch_library_path()  # fail before minutes of lowering when the kernel cannot be built
+        if not float_weights:
+            _quantize_artifact_weights(module, options.group_size)
+        program = lower(ExecuTorchLM(module, max_context).eval(), max_context, max_chunk,
+                        runner_metadata(model, tokenizer, max_context, max_chunk))
+
+        def write(temp: Path) -> None:
+            with open(temp / MODEL_FILE, "wb") as f:
+                program.write_to_file(f)
+            shutil.copy2(library, temp / LIBRARY_FILE)
+            copy_native_sources(temp / NATIVE_DIR)
+
+        return Lowered(write, "float32" if float_weights else
+                       f"int4 (torchao 8-bit dynamic activations, group {options.group_size}), fp16 embeddings",
+                       # XNNPACK's 4-bit weights are symmetric: a scale, no zero point.
+                       dict(weight_bits=16 if float_weights else 4, weight_group=options.group_size,
+                            weight_zero_points=False),
+                       {"group_size": options.group_size})
+
+    def runner(self, directory, manifest, runtime, threads):
+        from .et_runner import EtLM
+
+        if runtime != "executorch":
+            raise OscarInputError(f"runtime {runtime!r} has no step-by-step runner: expected 'executorch'")
+        return EtLM(directory, threads, manifest["max_chunk"])
+
+    def generate(self, directory, manifest, runtime, tokenizer, prompt, max_new_tokens, threads):
+        if runtime == "stock-runner":
+            from .et_runner import stock_runner_generate
+
+            return stock_runner_generate(directory, prompt, max_new_tokens, threads)
+        return super().generate(directory, manifest, runtime, tokenizer, prompt, max_new_tokens, threads)
+
+    def artifact_module(self, directory, manifest):
+        """The eager graph with the artifact's weights: the same torchao 4-bit quantization of the source
+        checkpoint, which is deterministic, so these are the weights the program holds."""
+        module = super().artifact_module(directory, manifest)
+        if manifest["weights"] != "float32":
+            _quantize_artifact_weights(module, manifest.get("group_size", self.options.group_size))
+        return module
+
+    def parity_limits(self, manifest):
+        # With 4-bit weights the activations are quantized to 8 bits on the fly, by XNNPACK in the program and by
+        # torchao's eager kernels in the reference, with their own rounding: the K/V entering the op differ by more
+        # than ties, so more body codes may differ (measured 1.3e-3 on the bundled model).
+        return {} if manifest["weights"] == "float32" else {"codes_mismatch_fraction": 5e-3}
+
+    def trace(self, directory, manifest, runtime, ids, steps):
+        if runtime != "stock-runner":
+            return super().trace(directory, manifest, runtime, ids, steps)
+        from transformers import AutoTokenizer
+
+        from .et_runner import stock_runner_generate
+
+        # The C++ runner tokenizes text itself and returns pieces: it is compared on tokens alone.
+        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        got = stock_runner_generate(directory, tokenizer.decode(ids), steps)
+        return {"tokens": got["tokens"], "logits": None, "codes": None}
+
+    def bench(self, what: str, request: BenchRequest) -> dict:
+        from ...models import model_shape
+        from .et_bench import bench_attention
+
+        shape = model_shape(request.model)
+        return bench_attention(request.contexts, shape.q_heads, shape.kv_heads, shape.head_dim, request.config,
+                               request.threads)
+
+    def print_bench(self, what: str, request: BenchRequest, report: dict) -> None:
+        print(f"decode attention, one layer of {request.model} ({report['q_heads']} q heads, {report['kv_heads']} KV "
+              f"heads, head_dim {report['head_dim']}), threads: {report['threads']}, ExecuTorch")
+        for r in report["results"]:
+            print(f"  context {r['context']:>7}: OSCAR {r['oscar_ms']:.3f} ms, fp32 custom_sdpa {r['baseline_ms']:.3f} "
+                  f"ms ({r['speedup']:.2f}x), int8 custom_quantized_sdpa {r['int8_ms']:.3f} ms "
+                  f"({r['speedup_vs_int8']:.2f}x)")
+
+
+def _quantize_artifact_weights(module: nn.Module, group_size: int) -> None:
+    quantize_weights(module, group_size)  # a tied lm_head becomes its own 4-bit copy first
+    module.embed_tokens = HalfEmbedding(module.embed_tokens)
+
+
+register(AndroidTarget())

@@ -1,0 +1,50 @@
+"""The op's buffer table (ops/attention.py) is the one the native core and both C++ adapters check against."""
+
+import re
+from pathlib import Path
+
+import torch
+
+from oscar_export.ops.attention import CACHE_NAMES, INPUT_DTYPES, INPUTS
+
+SOURCES = Path(__file__).resolve().parent.parent / "runtime_ops"
+ORT_TYPES = {"kF32": torch.float32, "kF16": torch.float16, "kU8": torch.uint8, "kI64": torch.int64}
+ET_TYPES = {"ScalarType::Float": torch.float32, "ScalarType::Half": torch.float16, "ScalarType::Byte": torch.uint8}
+
+
+def _array(source: str, declaration: str) -> list[str]:
+    """The initializer list of a C++ array declared as `declaration[...] = {...};`, item by item."""
+    match = re.search(re.escape(declaration) + r"\[[^\]]*\]\s*=\s*\{(.*?)\};", source, re.S)
+    assert match, f"{declaration} not found"
+    return [item.strip().strip('"') for item in match.group(1).split(",") if item.strip()]
+
+
+def test_core_buffer_names_are_the_op_inputs_then_out():
+    names = _array((SOURCES / "core" / "oscar_core.cc").read_text(), "const char* const kBufferNames")
+    # The core's table has every tensor input but `length` (a scalar it takes separately), then the output.
+    assert names == [*INPUTS[:-1], "out"]
+    assert INPUTS[3:13] == CACHE_NAMES
+
+
+def test_onnxruntime_adapter_types_are_the_table():
+    types = _array((SOURCES / "onnxruntime" / "oscar_ort.cc").read_text(),
+                   "constexpr ONNXTensorElementDataType kInputTypes")
+    assert [ORT_TYPES[t] for t in types] == [dtype for _, dtype in INPUT_DTYPES]
+
+
+def test_executorch_adapter_types_are_the_table():
+    types = _array((SOURCES / "executorch" / "oscar_et.cc").read_text(), "constexpr ScalarType kInputTypes")
+    assert [ET_TYPES[t] for t in types] == [dtype for _, dtype in INPUT_DTYPES[:-1]]  # length is checked apart
+
+
+def test_the_onnx_schema_is_built_from_the_table():
+    import onnx
+
+    from oscar_export.ops.onnx import DOMAIN, OP, register_schema
+
+    register_schema()
+    schema = onnx.defs.get_schema(OP, 1, DOMAIN)
+    assert [p.name for p in schema.inputs] == list(INPUTS)
+    want = {torch.float32: "tensor(float)", torch.float16: "tensor(float16)", torch.uint8: "tensor(uint8)",
+            torch.int64: "tensor(int64)"}
+    assert [p.type_str for p in schema.inputs] == [want[dtype] for _, dtype in INPUT_DTYPES]
