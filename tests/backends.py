@@ -3,7 +3,7 @@
 A Backend's attend(case, cache, q, k, v, length, **options) runs one chunk (rotated q fp32, k/v fp16,
 contiguous) at cache position `length` and returns the output [q_heads, T, head_dim] fp32; it updates
 `cache` in place, or returns (out, new cache) where the implementation is functional. `replay` feeds a
-whole case through it. tests/test_conformance.py replays the golden vectors through every entry of
+whole case through it. tests/ops/test_conformance.py replays the golden vectors through every entry of
 BACKENDS; the backends' own test files replay random cases and check errors through the same adapters.
 
 Runtimes are imported and built lazily: `missing()` says why one is unavailable, so a test can skip.

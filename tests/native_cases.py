@@ -1,4 +1,4 @@
-"""Cases for the native OscarAttention op (tests/test_native_core.py, tests/test_ort_ops.py).
+"""Cases for the native OscarAttention op (tests/runtime_ops/test_native_core.py, tests/runtime_ops/test_ort_ops.py).
 
 The op works in rotated space on one layer: q fp32 and k/v fp16 already rotated, outputs before
 the R_v^T that the model folds into its output projection. A Case holds one sequence in those

@@ -191,7 +191,8 @@ ROTATIONS = ("hadamard", "none", ROTATION_FILE)
 
 
 def load_manifest(directory, verify: bool = True) -> dict:
-    """The artifact's manifest. With `verify` (what run and parity do) every value a runner relies on is checked, and every listed file's size and sha256, before anything
+    """The artifact's manifest. With `verify` (what run and parity do) every value a runner relies on is
+    checked, and every listed file's size and sha256, before anything
     native reads them: a damaged or edited artifact is an error naming the file, never a wrong answer."""
     path = Path(directory) / MANIFEST
     try:

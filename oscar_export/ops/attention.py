@@ -4,7 +4,7 @@ Its schema (torch.library), fake (shape propagation for torch.export), reference
 buffer table live here. The reference is OscarKVCache.attend wrapped around the caller's buffers,
 so eager runs are the normative math; the native kernels (runtime_ops/, ONNX Runtime and
 ExecuTorch adapters) and the lowerings (ops/onnx.py, ops/coreml.py) mirror it, and
-tests/test_ops.py checks the buffer table against the C++ adapters' tables.
+tests/ops/test_attention.py checks the buffer table against the C++ adapters' tables.
 """
 
 from __future__ import annotations

@@ -150,11 +150,11 @@ def register(target: Target) -> Target:
 
 
 def registry() -> dict[str, Target]:
-    """Every target, by name: the packages in this folder register themselves when imported."""
-    if not _REGISTRY:
-        for info in pkgutil.iter_modules(__path__):
-            if info.ispkg:
-                importlib.import_module(f"{__name__}.{info.name}")
+    """Every target, by name: the packages in this folder register themselves when imported (importing is
+    idempotent, so a package imported directly before this call is not registered twice)."""
+    for info in pkgutil.iter_modules(__path__):
+        if info.ispkg:
+            importlib.import_module(f"{__name__}.{info.name}")
     return _REGISTRY
 
 

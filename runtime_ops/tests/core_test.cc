@@ -1,5 +1,5 @@
 // Tests of the native core that need no Python: built with sanitizers and cross-built for
-// aarch64 (run under qemu-aarch64) by tests/test_native_core.py.
+// aarch64 (run under qemu-aarch64) by tests/runtime_ops/test_native_core.py.
 //
 //   oscar_core_test [--random N] [CASE_DIR ...]
 //

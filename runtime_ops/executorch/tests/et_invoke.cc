@@ -1,6 +1,6 @@
 // Test hook for the ExecuTorch adapter: calls the kernel registered as oscar::attention.out
 // (looked up in ExecuTorch's operator registry, as a loaded program would) on caller-owned
-// buffers, so tests/test_et_ops.py can replay golden and random cases without exporting a
+// buffers, so tests/runtime_ops/test_et_ops.py can replay golden and random cases without exporting a
 // program per case. Not part of what an app links.
 #include <executorch/runtime/core/evalue.h>
 #include <executorch/runtime/kernel/kernel_runtime_context.h>

@@ -120,7 +120,7 @@ def test_graph_layout(float_artifact):
     assert len(fallback.graph.output) == 1 + 4 * len(CACHE_NAMES) and len(fallback.functions) == 1
 
 
-# -- the fallback function alone: bit-exact with the reference (golden vectors: tests/test_conformance.py) --
+# -- the fallback function alone: bit-exact with the reference (golden vectors: tests/ops/test_conformance.py) --
 
 
 def test_fallback_function_matches_random_reference_sequences():

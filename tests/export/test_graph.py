@@ -20,7 +20,7 @@ WINDOWS = dict(sink=16, recent=32)  # a 100-token prompt puts 52 tokens in the p
 pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
-# -- the op (its golden-vector replays: tests/test_conformance.py) --------------------------------
+# -- the op (its golden-vector replays: tests/ops/test_conformance.py) --------------------------------
 
 
 def test_op_matches_random_reference_sequences():

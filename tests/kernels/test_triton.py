@@ -34,7 +34,7 @@ from oscar_export.kernels.triton_oscar import (
     triton_decode_attend,
 )
 
-VECTORS = Path(__file__).parent / "vectors"
+VECTORS = Path(__file__).resolve().parents[1] / "vectors"
 INDEX = json.loads((VECTORS / "index.json").read_text())
 CASES = sorted(INDEX["cases"])
 REGIONS = ("sink", "recent", "codes", "scale", "zero")
@@ -135,7 +135,7 @@ def test_quantize_pack_rejects_what_the_codec_rejects():
     assert quantize_pack(torch.zeros(0, 64), 2, 32).codes.shape == (0, 16)
 
 
-# -- (c, d) decode attention replays the golden caches: tests/test_conformance.py (triton-*) --------
+# -- (c, d) decode attention replays the golden caches: tests/ops/test_conformance.py (triton-*) --------
 
 
 # -- splits, GQA groups, bf16 scales and the fp16-body baseline on a longer body ---------------

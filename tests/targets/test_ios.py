@@ -61,7 +61,7 @@ def body_codes_mismatches(lm: CoreMLLM, reference: dict, artifact) -> dict[str, 
     return body_mismatches(pairs, {kind: config[f"{kind}_bits"] for kind in "kv"})
 
 
-# -- the composition alone: bit-exact with the reference op (golden vectors: tests/test_conformance.py) ------
+# -- the composition alone: bit-exact with the reference op (golden vectors: tests/ops/test_conformance.py) ------
 
 
 def test_composition_matches_random_reference_sequences():

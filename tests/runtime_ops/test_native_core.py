@@ -37,7 +37,7 @@ def core():
     return native_core()
 
 
-# -- golden vectors (the op's replays: tests/test_conformance.py) --------------------------------
+# -- golden vectors (the op's replays: tests/ops/test_conformance.py) --------------------------------
 
 
 @pytest.mark.parametrize("name", GOLDEN)

@@ -7,7 +7,7 @@ import torch
 
 from oscar_export.ops.attention import CACHE_NAMES, INPUT_DTYPES, INPUTS
 
-SOURCES = Path(__file__).resolve().parent.parent / "runtime_ops"
+SOURCES = Path(__file__).resolve().parents[2] / "runtime_ops"
 ORT_TYPES = {"kF32": torch.float32, "kF16": torch.float16, "kU8": torch.uint8, "kI64": torch.int64}
 ET_TYPES = {"ScalarType::Float": torch.float32, "ScalarType::Half": torch.float16, "ScalarType::Byte": torch.uint8}
 

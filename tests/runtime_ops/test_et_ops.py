@@ -131,7 +131,8 @@ def test_sanitized_build_replays_cases():
     # libstdc++ too: Python does not link it, and ASan's exception interceptor needs it from the start.
     env = dict(os.environ, LD_PRELOAD=f"{asan} {cxx}", ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
                UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", SANITIZED_REPLAY, str(build), str(Path(__file__).parent), "100"],
+    tests = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", SANITIZED_REPLAY, str(build), str(tests), "100"],
                           capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -145,7 +146,7 @@ def test_adapter_compiles_for_aarch64(tmp_path):
     if cxx is None:
         pytest.skip("aarch64-linux-gnu-g++ not found (Debian: g++-aarch64-linux-gnu)")
     include = executorch_dir()[0] / "include"
-    source = Path(__file__).resolve().parent.parent / "runtime_ops" / "executorch" / "oscar_et.cc"
+    source = Path(__file__).resolve().parents[2] / "runtime_ops" / "executorch" / "oscar_et.cc"
     proc = subprocess.run([cxx, "-std=c++17", "-O2", "-fPIC", "-Wall", "-Werror", "-c", str(source), "-o",
                            str(tmp_path / "oscar_et.o"), "-DC10_USING_CUSTOM_GENERATED_MACROS", f"-I{include}",
                            f"-I{include}/executorch/runtime/core/portable_type/c10"],
