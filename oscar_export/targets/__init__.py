@@ -114,7 +114,8 @@ class Target:
         return {}
 
     def trace(self, directory: Path, manifest: dict, runtime: str, ids: list[int], steps: int) -> dict:
-        """Greedy tokens, each step's logits and the packed body codes by cache name (parity.py)."""
+        """Greedy tokens, each step's logits and the packed body codes by cache name (parity.py); or
+        {"skipped": why} when this runtime cannot be given this prompt."""
         runner = self.runner(directory, manifest, runtime, 0)
         tokens, logits = runner.trace(ids, steps, manifest["eos_token_ids"])
         return {"tokens": tokens, "logits": logits, "codes": runner.body_codes()}

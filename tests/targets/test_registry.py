@@ -13,7 +13,8 @@ import pytest
 from oscar_export import targets as registry_module
 from oscar_export.cli.main import build_parser
 from oscar_export.export.artifact import load_manifest
-from oscar_export.export.pipeline import export_artifact, run_artifact
+from oscar_export.export.pipeline import export_artifact, reference_trace, run_artifact
+from oscar_export.parity import run_artifact_parity
 from oscar_export.targets import REFERENCE, Lowered, Target, TargetOptions, get, names, registry
 
 PACKAGE = Path(registry_module.__file__).resolve().parent.parent
@@ -112,7 +113,12 @@ class _NoteTarget(Target):
     description = "a JSON note of the lowered graph"
     options = _NoteOptions()
     packages = ("oscar-export", "torch")
-    runtimes = {}
+    runtimes = {"eager": "the reference graph again", "picky": "a runtime that cannot take every prompt"}
+
+    def trace(self, directory, manifest, runtime, ids, steps):
+        if runtime == "picky":
+            return {"skipped": "it takes text, and this prompt's text does not tokenize back"}
+        return reference_trace(directory, ids, steps)
 
     def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options):
         spec = [[name, list(shape)] for name, shape, _ in module.cache_spec(max_context)]
@@ -139,3 +145,8 @@ def test_a_registered_target_goes_through_the_one_pipeline(notes_target, tmp_pat
     # The reference runtime is every target's: the eager graph over the artifact's own config and weights.
     result = run_artifact(out, "KING.", 3, REFERENCE)
     assert len(result["tokens"]) == 3 and isinstance(result["text"], str)
+    # parity asks the target for its runtimes; one that cannot take the prompt is listed with its reason.
+    report = run_artifact_parity(out, result["tokens"][:1] + [5, 6, 7], 4)
+    assert set(report["runtimes"]) == {"eager"} and report["ok"] and "tokenize back" in report["unavailable"]["picky"]
+    row = report["runtimes"]["eager"]
+    assert row["codes_mismatched"] == 0 and row["logits_max_abs_error"] == 0 and len(row["tokens"]) == 4

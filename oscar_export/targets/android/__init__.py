@@ -214,9 +214,15 @@ class AndroidTarget(Target):
 
         from .et_runner import stock_runner_generate
 
-        # The C++ runner tokenizes text itself and returns pieces: it is compared on tokens alone.
+        from ...export.artifact import prompt_ids
+
+        # The C++ runner tokenizes text itself and returns pieces: it is compared on tokens alone, and only on a
+        # prompt whose text tokenizes back to the same ids.
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-        got = stock_runner_generate(directory, tokenizer.decode(ids), steps)
+        text = tokenizer.decode(ids)
+        if prompt_ids(tokenizer, text) != list(ids):
+            return {"skipped": "the prompt's text does not tokenize back to the same ids, and this runner takes text"}
+        got = stock_runner_generate(directory, text, steps)
         return {"tokens": got["tokens"], "logits": None, "codes": None}
 
     def bench(self, what: str, request: BenchRequest) -> dict:
