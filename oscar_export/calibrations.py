@@ -51,8 +51,10 @@ def read_text(path) -> tuple[str, str]:
 def model_digest(model_name: str) -> str:
     """sha256 over the checkpoint's files (config, weights, tokenizer), each by name and content."""
     from .export.artifact import sha256
-    from .models import model_dir
+    from .models import is_gguf, model_dir
 
+    if is_gguf(model_name):  # one file holds weights, tokenizer and config
+        return sha256(Path(model_name).expanduser())
     directory = model_dir(model_name)
     digest = hashlib.sha256()
     for path in sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in MODEL_FILE_SUFFIXES

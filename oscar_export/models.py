@@ -1,4 +1,8 @@
-"""Model shapes: the bundled model, local Hugging Face checkpoints and built-in presets."""
+"""Models: the bundled one, local Hugging Face checkpoints, GGUF files and built-in presets (shapes only).
+
+A GGUF file's shape is read from its metadata without loading its tensors; loading it goes through
+transformers' own GGUF support, which dequantizes the weights to float.
+"""
 
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ PRESETS: dict[str, dict] = {
 }
 # Qwen2 puts biases on q/k/v only; other families here have none.
 _BIAS_BY_TYPE = {"qwen2": True}
+# GGUF architectures whose decoder the exportable graph covers (Mistral checkpoints convert as llama).
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,52 @@ class ModelShape:
         )
 
 
+def is_gguf(name_or_path: str) -> bool:
+    return str(name_or_path).lower().endswith(".gguf")
+
+
+def _gguf_reader(name_or_path: str):
+    from gguf import GGUFReader
+
+    path = Path(name_or_path).expanduser()
+    if not path.is_file():
+        raise OscarInputError(f"model {name_or_path!r}: no such GGUF file: expected a local .gguf file")
+    try:
+        return GGUFReader(path, "r")
+    except Exception as err:  # noqa: BLE001 - a damaged file fails in many ways inside the reader
+        reason = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise OscarInputError(f"model {name_or_path!r}: not a readable GGUF file ({reason}): expected a complete "
+                              ".gguf file (truncated download?)") from None
+
+
+def gguf_config(name_or_path: str) -> dict:
+    """The Hugging Face config fields of a GGUF file, from its metadata (no tensor is read)."""
+    reader = _gguf_reader(name_or_path)
+
+    def value(key, default=None):
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    arch = value("general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise OscarInputError(f"model {name_or_path!r}: GGUF architecture {arch!r} is not supported: expected one "
+                              f"of {', '.join(GGUF_ARCHITECTURES)}")
+    tensors = {t.name for t in reader.tensors}
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    heads = value(f"{arch}.attention.head_count")
+    cfg = {"model_type": arch, "hidden_size": value(f"{arch}.embedding_length"),
+           "num_hidden_layers": value(f"{arch}.block_count"), "num_attention_heads": heads,
+           "num_key_value_heads": value(f"{arch}.attention.head_count_kv", heads),
+           "intermediate_size": value(f"{arch}.feed_forward_length"),
+           "vocab_size": value(f"{arch}.vocab_size", None if tokens is None else len(tokens.data)),
+           "max_position_embeddings": value(f"{arch}.context_length"),
+           "tie_word_embeddings": "output.weight" not in tensors,
+           "attention_bias": "blk.0.attn_q.bias" in tensors}
+    if value(f"{arch}.attention.key_length") is not None:
+        cfg["head_dim"] = value(f"{arch}.attention.key_length")
+    return cfg
+
+
 def model_dir(name_or_path: str) -> Path:
     """'bundled' or a local checkpoint directory holding config.json."""
     if name_or_path == "bundled":
@@ -96,16 +149,18 @@ def model_dir(name_or_path: str) -> Path:
         presets = ", ".join(PRESETS)
         hint = f" ({name_or_path!r} is a preset without weights)" if name_or_path in PRESETS else ""
         raise OscarInputError(
-            f"model {name_or_path!r}: no config.json there{hint}; expected 'bundled' or a local "
-            f"Hugging Face checkpoint directory (planner presets: {presets})"
+            f"model {name_or_path!r}: no config.json there{hint}; expected 'bundled', a local "
+            f"Hugging Face checkpoint directory or a .gguf file (planner presets: {presets})"
         )
     return path
 
 
 def model_shape(name_or_path: str) -> ModelShape:
-    """Shape from a preset name, 'bundled', or a local checkpoint directory."""
+    """Shape from a preset name, 'bundled', a local checkpoint directory or a GGUF file."""
     if name_or_path in PRESETS:
         return ModelShape.from_hf_config(name_or_path, PRESETS[name_or_path])
+    if is_gguf(name_or_path):
+        return ModelShape.from_hf_config(name_or_path, gguf_config(name_or_path))
     path = model_dir(name_or_path)
     try:
         cfg = json.loads((path / "config.json").read_text())
@@ -117,18 +172,26 @@ def model_shape(name_or_path: str) -> ModelShape:
 
 
 def load_model(name_or_path: str = "bundled", offload_folder=None, max_memory: str | None = None):
-    """(model, tokenizer) from 'bundled' or a local checkpoint, offline, fp32, eval mode.
+    """(model, tokenizer) from 'bundled', a local checkpoint or a GGUF file, offline, fp32, eval mode.
 
     With offload_folder (and optionally max_memory, e.g. "4GB"), weights that do not fit stay on
     disk and are streamed in by accelerate layer by layer, so models larger than memory still run.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = model_dir(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     kwargs = {}
+    if is_gguf(name_or_path):
+        gguf_config(name_or_path)  # an unsupported or damaged file is one line, before transformers reads it
+        path = Path(name_or_path).expanduser().resolve()
+        path, kwargs = path.parent, {"gguf_file": path.name}
+    else:
+        path = model_dir(name_or_path)
+        if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
+            raise OscarInputError(f"model {name_or_path!r}: config.json but no weights (*.safetensors, *.bin) "
+                                  "there: expected a complete checkpoint directory")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
     if offload_folder is not None:
-        kwargs = dict(device_map="auto", offload_folder=str(offload_folder))
+        kwargs.update(device_map="auto", offload_folder=str(offload_folder))
         if max_memory:
             kwargs["max_memory"] = {"cpu": max_memory}
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32", **kwargs)

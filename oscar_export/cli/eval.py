@@ -74,7 +74,7 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
                     "sink and recent windows. The first part of the text is reserved for calibration and never "
                     "evaluated.",
     )
-    p.add_argument("--model", default="bundled", help="'bundled' or a local HF checkpoint directory")
+    p.add_argument("--model", default="bundled", help="'bundled', a local HF checkpoint directory or a .gguf file")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma-separated, from {','.join(METHODS)} (default %(default)s)")
     p.add_argument("--rotations", type=Path,

@@ -102,7 +102,8 @@ def export_parser(target) -> argparse.ArgumentParser:
     """The flags every target's export takes; the target adds its own (android: --group-size)."""
     p = Parser(prog=f"oscar-export --target {target.name}", description=f"Export a model: {target.description}.")
     p.add_argument("--target", choices=(target.name,), required=True)
-    p.add_argument("--model", default="bundled", help="'bundled' or a local Hugging Face checkpoint directory")
+    p.add_argument("--model", default="bundled",
+                   help="'bundled', a local Hugging Face checkpoint directory or a .gguf file")
     p.add_argument("--rotations", default="calibrate",
                    help="calibrate (OSCAR rotations and clips fitted on --calibration-text, cached), a rotation "
                         "file, hadamard (data-free) or none (default %(default)s)")

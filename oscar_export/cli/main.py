@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="does a model and context fit a device?",
                        description="Memory plan: weights + OSCAR KV cache + reserve against device memory.")
     p.add_argument("--model", default="bundled",
-                   help="'bundled', a preset (llama-2-7b, llama-3-8b, qwen2.5-7b, mistral-7b) or a local HF checkpoint")
+                   help="'bundled', a preset (llama-2-7b, llama-3-8b, qwen2.5-7b, mistral-7b), a local HF checkpoint "
+                        "or a .gguf file")
     p.add_argument("--device-memory", default="8GB", help="device memory, e.g. 8GB (binary units)")
     p.add_argument("--context", type=positive_int, default=4096, help="tokens of context (default %(default)s)")
     p.add_argument("--weight-bits", type=int, choices=(4, 8, 16), default=4, help="bits of the linear weights")
@@ -48,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="memory plan and codec report on a model's real K/V",
                        description="Plan for the model, then bits per element and reconstruction error of the "
                                    "packed cache at 2, 3 and 4 bits on the model's captured K/V.")
-    p.add_argument("--model", default="bundled", help="'bundled' or a local HF checkpoint directory")
+    p.add_argument("--model", default="bundled", help="'bundled', a local HF checkpoint directory or a .gguf file")
     p.add_argument("--text", type=Path, help="UTF-8 text to run (default: the bundled held-out text)")
     p.add_argument("--tokens", type=positive_int, default=1024, help="tokens of text (default %(default)s)")
     p.add_argument("--device-memory", default="8GB", help="device memory for the plan (default %(default)s)")
@@ -59,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("calibrate", help="fit OSCAR rotations from a local checkpoint",
                        description="Fit K and V rotations (R = U.H.P_br), clip ratios and optional Lloyd-Max "
                                    "levels from the model's own activations; writes a rotation file.")
-    p.add_argument("--model", default="bundled", help="'bundled' or a local HF checkpoint directory")
+    p.add_argument("--model", default="bundled", help="'bundled', a local HF checkpoint directory or a .gguf file")
     p.add_argument("--out", required=True, type=Path, help="rotation file to write (.safetensors)")
     p.add_argument("--text", type=Path, help="UTF-8 calibration text (default: the bundled held-out text)")
     p.add_argument("--tokens", type=positive_int, default=DEFAULT_TOKENS,
@@ -80,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the same prompt through every runtime available here and compare "
                                    "codes, attention outputs, logits and greedy tokens with the reference. "
                                    "Exit code 1 on any mismatch beyond the thresholds in docs/parity.md.")
-    p.add_argument("--model", default="bundled", help="'bundled' or a local HF checkpoint directory")
+    p.add_argument("--model", default="bundled", help="'bundled', a local HF checkpoint directory or a .gguf file")
     p.add_argument("--text", type=Path, help="UTF-8 text whose first tokens are the prompt (default: held-out text)")
     p.add_argument("--prompt-tokens", type=positive_int, default=400, help="prompt length (default %(default)s)")
     p.add_argument("--steps", type=positive_int, default=16, help="greedy steps (default %(default)s)")

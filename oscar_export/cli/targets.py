@@ -119,7 +119,7 @@ def add_target_commands(sub) -> None:
                         + ")")
     p.add_argument("--context", default="4096,32768", help="comma-separated contexts (default %(default)s)")
     p.add_argument("--model", default="bundled", help="model whose attention shape is used: 'bundled', a preset "
-                                                      "(llama-3-8b, ...) or a local checkpoint")
+                                                      "(llama-3-8b, ...), a local checkpoint or a .gguf file")
     p.add_argument("--threads", type=thread_count, help="threads for both (default or 0: every core)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_cache_flags(p)

