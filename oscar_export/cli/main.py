@@ -120,11 +120,12 @@ def _quiet_third_party_logs() -> None:
 
 
 def _prompt_values_joined(argv: list[str]) -> list[str]:
-    """`--prompt VALUE` as `--prompt=VALUE`, so a prompt that looks like a flag ("--target") stays a prompt."""
+    """`--prompt VALUE` as `--prompt=VALUE` (and --chat), so a prompt that looks like a flag ("--target") stays
+    a prompt."""
     out, i = [], 0
     while i < len(argv):
-        if argv[i] == "--prompt" and i + 1 < len(argv):
-            out.append(f"--prompt={argv[i + 1]}")
+        if argv[i] in ("--prompt", "--chat") and i + 1 < len(argv):
+            out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
         else:
             out.append(argv[i])

@@ -51,10 +51,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     from ..export.pipeline import run_artifact
 
     try:
-        args.prompt.encode("utf-8")
+        (args.prompt or args.chat).encode("utf-8")
     except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates
-        raise OscarInputError("--prompt is not valid UTF-8: expected text") from None
-    result = run_artifact(args.artifact, args.prompt, args.max_new_tokens, args.runtime, args.threads)
+        raise OscarInputError(f"{'--prompt' if args.chat is None else '--chat'} is not valid UTF-8: expected text") \
+            from None
+    chat = args.chat is not None
+    result = run_artifact(args.artifact, args.chat if chat else args.prompt, args.max_new_tokens, args.runtime,
+                          args.threads, chat=chat)
     print(json.dumps(result) if args.json else result["text"])
     return 0
 
@@ -93,7 +96,10 @@ def add_target_commands(sub) -> None:
     p = sub.add_parser("run", help="generate text from an exported artifact",
                        description="Greedy generation from an artifact written by --target.")
     p.add_argument("--artifact", required=True, type=Path, help="directory written by --target")
-    p.add_argument("--prompt", required=True, help="prompt text")
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", help="prompt text, as the model reads it")
+    text.add_argument("--chat", metavar="QUESTION",
+                      help="a question, put in the chat template the artifact's tokenizer carries")
     p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default %(default)s)")
     p.add_argument("--runtime", choices=tuple(dict.fromkeys(r for t in targets for r in t.run_runtimes())),
                    help="default: the target's runtime. " + "; ".join(f"{t.name}: {', '.join(t.run_runtimes())}"

@@ -279,8 +279,8 @@ def eos_ids(model) -> list[int]:
     return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
-def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    ids = tokenizer(prompt)["input_ids"]
+def prompt_ids(tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    ids = tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
     if not ids:
         raise OscarInputError("--prompt is empty after tokenization: expected some text")
     return ids

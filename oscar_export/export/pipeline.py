@@ -72,14 +72,29 @@ def reference_trace(directory, ids: list[int], steps: int, device: str = "cpu") 
                        device)
 
 
-def run_artifact(directory, prompt: str, max_new_tokens: int, runtime: str | None = None, threads: int = 0) -> dict:
-    """Greedy generation from an artifact on one of its target's runtimes: {"tokens": [...], "text": "..."}."""
+def chat_prompt(tokenizer, question: str) -> str:
+    """The question as one user turn in the tokenizer's chat template, ready for the assistant's answer."""
+    if not tokenizer.chat_template:
+        raise OscarInputError("--chat: the artifact's tokenizer has no chat template: expected a chat model's "
+                              "artifact, or --prompt with the text as the model expects it")
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                         tokenize=False)
+
+
+def run_artifact(directory, prompt: str, max_new_tokens: int, runtime: str | None = None, threads: int = 0,
+                 chat: bool = False) -> dict:
+    """Greedy generation from an artifact on one of its target's runtimes: {"tokens": [...], "text": "..."}.
+    chat: `prompt` is a question, put in the chat template the artifact's tokenizer carries."""
     from transformers import AutoTokenizer
 
     directory, manifest, target = open_artifact(directory)
     runtime = check_runtime(target, runtime)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    if chat:
+        prompt = chat_prompt(tokenizer, prompt)
+    # A chat template writes its special tokens itself: the tokenizer must not add them again.
+    ids = prompt_ids(tokenizer, prompt, add_special_tokens=not chat)
     if runtime == REFERENCE:
-        tokens = reference_trace(directory, prompt_ids(tokenizer, prompt), max_new_tokens)["tokens"]
+        tokens = reference_trace(directory, ids, max_new_tokens)["tokens"]
         return {"tokens": tokens, "text": tokenizer.decode(tokens)}
-    return target.generate(directory, manifest, runtime, tokenizer, prompt, max_new_tokens, threads)
+    return target.generate(directory, manifest, runtime, tokenizer, prompt, ids, max_new_tokens, threads)

@@ -90,13 +90,12 @@ class Target:
         """A GreedyLM (export/artifact.py) over the artifact on `runtime`, one of self.runtimes."""
         raise NotImplementedError
 
-    def generate(self, directory: Path, manifest: dict, runtime: str, tokenizer, prompt: str, max_new_tokens: int,
-                 threads: int) -> dict:
-        """Greedy generation on `runtime`: {"tokens": [...], "text": "..."}."""
-        from ..export.artifact import prompt_ids
-
+    def generate(self, directory: Path, manifest: dict, runtime: str, tokenizer, prompt: str, ids: list[int],
+                 max_new_tokens: int, threads: int) -> dict:
+        """Greedy generation on `runtime` from the prompt's ids (a runtime that takes text gets `prompt`):
+        {"tokens": [...], "text": "..."}."""
         runner = self.runner(directory, manifest, runtime, threads)
-        tokens = runner.generate(prompt_ids(tokenizer, prompt), max_new_tokens, manifest["eos_token_ids"])
+        tokens = runner.generate(ids, max_new_tokens, manifest["eos_token_ids"])
         return {"tokens": tokens, "text": tokenizer.decode(tokens)}
 
     def artifact_module(self, directory: Path, manifest: dict):

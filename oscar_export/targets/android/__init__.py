@@ -186,12 +186,12 @@ class AndroidTarget(Target):
             raise OscarInputError(f"runtime {runtime!r} has no step-by-step runner: expected 'executorch'")
         return EtLM(directory, threads, manifest["max_chunk"])
 
-    def generate(self, directory, manifest, runtime, tokenizer, prompt, max_new_tokens, threads):
+    def generate(self, directory, manifest, runtime, tokenizer, prompt, ids, max_new_tokens, threads):
         if runtime == "stock-runner":
             from .et_runner import stock_runner_generate
 
             return stock_runner_generate(directory, prompt, max_new_tokens, threads)
-        return super().generate(directory, manifest, runtime, tokenizer, prompt, max_new_tokens, threads)
+        return super().generate(directory, manifest, runtime, tokenizer, prompt, ids, max_new_tokens, threads)
 
     def artifact_module(self, directory, manifest):
         """The eager graph with the artifact's weights: the same torchao 4-bit quantization of the source
