@@ -264,6 +264,21 @@ def random_codec_check(gen: torch.Generator) -> dict:
     return {"vectors": x.shape[0], "mismatched_bytes": mismatches, "total": sum(mismatches.values())}
 
 
+def reference_codec_check(gen: torch.Generator) -> dict:
+    """codec.quantize itself run on this device vs on the CPU: the reference must not depend on where it runs."""
+    n = 4096 if CUDA else 128
+    x = (torch.randn(n, 128, generator=gen) * torch.logspace(-3, 3, n)[:, None]).half().float()
+    mismatches = {}
+    for bits in (2, 3, 4):
+        for scale_dtype in ("float16", "bfloat16", "float32"):
+            for clip in (1.0, 0.92):
+                got = quantize(x.to(DEVICE), bits, 32, clip, None, scale_dtype)
+                want = quantize(x, bits, 32, clip, None, scale_dtype)
+                mismatches[f"b{bits}_{scale_dtype}_clip{clip}"] = sum(
+                    int((a.cpu().view(torch.uint8) != b.view(torch.uint8)).sum()) for a, b in zip(got, want))
+    return {"vectors": n, "mismatched_bytes": mismatches, "total": sum(mismatches.values())}
+
+
 def decode_error(layer: dict) -> dict:
     args = oscar_args(layer)
     got = K.decode_attention(layer["q"], **args)
@@ -362,9 +377,11 @@ def main() -> None:
     }
     print(f"device: {result['device']}, triton {triton.__version__}, torch {torch.__version__}", flush=True)
     result["exactness"] = {"golden_codec": golden_codec_check(), "random_codec": random_codec_check(
-        torch.Generator().manual_seed(1))}
+        torch.Generator().manual_seed(1)), "reference_codec_on_device": reference_codec_check(
+        torch.Generator().manual_seed(2))}
     print("exactness:", result["exactness"]["golden_codec"]["total_mismatches"],
-          result["exactness"]["random_codec"]["total"], "mismatches (golden, random)", flush=True)
+          result["exactness"]["random_codec"]["total"], result["exactness"]["reference_codec_on_device"]["total"],
+          "mismatches (golden, random, reference codec here vs CPU)", flush=True)
     result["copy_bandwidth"] = copy_bandwidth()
     copy_bw = result["copy_bandwidth"]["bandwidth_GBps"]
     print(f"copy bandwidth: {copy_bw:.0f} GB/s", flush=True)

@@ -96,7 +96,9 @@ def group_scale_zero(
         half = (hi - lo) * torch.tensor(0.5 * clip, dtype=torch.float32)
         lo, hi = mid - half, mid + half
     dtype = torch_scale_dtype(scale_dtype)
-    scale = ((hi - lo) / float(2**bits - 1)).to(dtype)
+    # A tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, which can
+    # round differently from the true division every other backend does.
+    scale = ((hi - lo) / torch.full_like(hi, float(2**bits - 1))).to(dtype)
     zero = lo.to(dtype)
     if not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(zero).all())):
         raise OscarInputError(

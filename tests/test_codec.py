@@ -176,3 +176,15 @@ def test_config_head_dim_and_round_trip():
     assert OscarConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(OscarInputError, match="unknown fields"):
         OscarConfig.from_dict({"bitz": 2})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the codec on the GPU against the CPU")
+def test_codec_on_cuda_equals_cpu():
+    # CUDA divides by a Python scalar through its reciprocal: the reference must not (bf16 scales showed it).
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(4096, 128, generator=gen) * torch.logspace(-3, 3, 4096)[:, None]).half().float()
+    for bits, scale_dtype in [(b, s) for b in (2, 3, 4) for s in ("float16", "bfloat16", "float32")]:
+        got = quantize(x.cuda(), bits, 32, 0.92, None, scale_dtype)
+        want = quantize(x, bits, 32, 0.92, None, scale_dtype)
+        for a, b in zip(got, want):
+            assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)), (bits, scale_dtype)

@@ -1,19 +1,25 @@
-"""Triton kernels (oscar_export/kernels/triton_oscar.py) against the reference, on CPU.
+"""Triton kernels (oscar_export/kernels/triton_oscar.py) against the reference.
 
-The kernels run through Triton's interpreter, which must be switched on before triton is first
-imported. Codes, scales and zeros must match bit for bit; attention outputs to fp32 rounding.
+On CPU the kernels run through Triton's interpreter, which must be switched on before triton is
+first imported. With TRITON_INTERPRET=0 on a CUDA machine they are compiled and run on the GPU,
+the inputs moved there and the results compared on the CPU. Codes, scales and zeros must match
+bit for bit; attention outputs to fp32 rounding.
 """
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"
+import torch
+
+# Compiled on the GPU only when asked for: tests/conftest.py defaults every other test to the interpreter.
+DEVICE = "cuda" if os.environ.get("TRITON_INTERPRET") == "0" and torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import json
 import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 try:
     import triton  # noqa: F401
@@ -39,12 +45,13 @@ INDEX = json.loads((VECTORS / "index.json").read_text())
 CASES = sorted(INDEX["cases"])
 REGIONS = ("sink", "recent", "codes", "scale", "zero")
 
-if not interpreting():  # pragma: no cover - the kernels module was imported before this file set the flag
+if DEVICE == "cpu" and not interpreting():  # pragma: no cover - the kernels module was imported before this file set the flag
     pytest.skip("oscar_export.kernels.triton_oscar was imported without TRITON_INTERPRET=1: its kernels "
                 "are compiled for a GPU, not interpreted on CPU", allow_module_level=True)
 
 
 def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    got, want = got.cpu(), want.cpu()
     assert got.dtype == want.dtype and got.shape == want.shape, what
     if got.dtype.is_floating_point:
         ints = {2: torch.int16, 4: torch.int32}[got.element_size()]
@@ -70,7 +77,7 @@ def load_case(name):
 def test_quantize_pack_matches_golden_codec_vectors(name):
     meta, cfg, t = load_case(name)
     levels = t["cache.k_levels"][0] if cfg.codebook == "lloyd-max" else None
-    got = quantize_pack(t["codec.input"], cfg.k_bits, cfg.cluster_dim, cfg.k_clip, levels, cfg.scale_dtype)
+    got = quantize_pack(t["codec.input"].to(DEVICE), cfg.k_bits, cfg.cluster_dim, cfg.k_clip, levels, cfg.scale_dtype)
     assert_same_quantized(got, (t["codec.codes"], t["codec.scale"], t["codec.zero"]))
 
 
@@ -114,25 +121,25 @@ def test_quantize_pack_matches_codec_on_random_inputs(bits, cluster_dim, d, clip
     if lloyd:
         levels = fit_lloyd_max_levels(torch.rand(4000, generator=gen) ** 2 * (2**bits - 1), bits, iterations=10)
     want = quantize(x.float(), bits, cluster_dim, clip, levels, scale_dtype)
-    assert_same_quantized(quantize_pack(x, bits, cluster_dim, clip, levels, scale_dtype), want)
+    assert_same_quantized(quantize_pack(x.to(DEVICE), bits, cluster_dim, clip, levels, scale_dtype), want)
     # Leading dimensions are kept, and small blocks give the same bytes.
-    got = quantize_pack(x[:36].reshape(3, 12, d), bits, cluster_dim, clip, levels, scale_dtype, block_n=4)
+    got = quantize_pack(x[:36].reshape(3, 12, d).to(DEVICE), bits, cluster_dim, clip, levels, scale_dtype, block_n=4)
     assert_same_quantized([t.reshape(36, -1) for t in got], [t[:36] for t in want])
 
 
 def test_quantize_pack_rejects_what_the_codec_rejects():
-    x = torch.zeros(2, 64)
+    x = torch.zeros(2, 64, device=DEVICE)
     x[1, 3] = float("nan")
     with pytest.raises(OscarInputError, match="NaN"):
         quantize_pack(x, 2, 32)
     with pytest.raises(OscarInputError, match="scale_dtype=float16"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # numpy, inside the interpreter, sees the inf
-        quantize_pack(torch.tensor([[-1e5] * 32 + [1e5] * 32]), 2, 64)
+        quantize_pack(torch.tensor([[-1e5] * 32 + [1e5] * 32], device=DEVICE), 2, 64)
     with pytest.raises(OscarInputError, match="cluster_dim"):
-        quantize_pack(torch.zeros(2, 48), 2, 32)
+        quantize_pack(torch.zeros(2, 48, device=DEVICE), 2, 32)
     with pytest.raises(OscarInputError, match="bits"):
-        quantize_pack(torch.zeros(2, 64), 5, 32)
-    assert quantize_pack(torch.zeros(0, 64), 2, 32).codes.shape == (0, 16)
+        quantize_pack(torch.zeros(2, 64, device=DEVICE), 5, 32)
+    assert quantize_pack(torch.zeros(0, 64, device=DEVICE), 2, 32).codes.shape == (0, 16)
 
 
 # -- (c, d) decode attention replays the golden caches: tests/ops/test_conformance.py (triton-*) --------
@@ -160,18 +167,21 @@ def test_split_k_decode_matches_reference_over_a_long_body(cfg, d, hq, hkv):
     levels = {"k": None, "v": None}
     if cfg.codebook == "lloyd-max":
         levels = {kind: fit_lloyd_max_levels(torch.rand(2000, generator=gen) * (2 ** cfg.bits(kind) - 1),
-                                             cfg.bits(kind), iterations=5).unsqueeze(0) for kind in "kv"}
-    cache = OscarKVCache(cfg, 1, hkv, d, n + 1, orthogonal(gen, d), orthogonal(gen, d), levels["k"], levels["v"])
-    twin = OscarKVCache(cfg, 1, hkv, d, n + 1, cache.rotation["k"], cache.rotation["v"], levels["k"], levels["v"])
+                                             cfg.bits(kind), iterations=5).unsqueeze(0).to(DEVICE) for kind in "kv"}
+    cache = OscarKVCache(cfg, 1, hkv, d, n + 1, orthogonal(gen, d), orthogonal(gen, d), levels["k"], levels["v"],
+                         device=DEVICE)
+    twin = OscarKVCache(cfg, 1, hkv, d, n + 1, cache.rotation["k"], cache.rotation["v"], levels["k"], levels["v"],
+                        device=DEVICE)
     k, v = torch.randn(hkv, n + 1, d, generator=gen) * 3, torch.randn(hkv, n + 1, d, generator=gen)
-    cache.attend(0, torch.randn(hq, n, d, generator=gen), k[:, :n], v[:, :n])
+    k, v = k.to(DEVICE), v.to(DEVICE)
+    cache.attend(0, torch.randn(hq, n, d, generator=gen).to(DEVICE), k[:, :n], v[:, :n])
     triton_append(twin, 0, k[:, :n], v[:, :n])  # one long chunk through the quantize kernel
     for kind in "kv":
         for region in REGIONS:
             assert_same_bits(getattr(twin, region)[kind], getattr(cache, region)[kind], f"{kind}.{region}")
 
-    q = torch.randn(hq, d, generator=gen) * 2
-    k_new, v_new = torch.randn(hkv, d, generator=gen).half(), torch.randn(hkv, d, generator=gen).half()
+    q = (torch.randn(hq, d, generator=gen) * 2).to(DEVICE)
+    k_new, v_new = (torch.randn(hkv, d, generator=gen).half().to(DEVICE) for _ in range(2))
     args = cache_decode_inputs(cache, 0)
     assert args["n_body"] == n - cfg.sink - cfg.recent
     want = reference_decode_attention(q, k_new=k_new, v_new=v_new, scaling=0.3, **args)
@@ -180,8 +190,7 @@ def test_split_k_decode_matches_reference_over_a_long_body(cfg, d, hq, hkv):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
     # The benchmark's fp16 baseline: the same kernel reading an fp16 body.
-    k_body = torch.randn(hkv, args["n_body"] + 5, d, generator=gen).half()
-    v_body = torch.randn(hkv, args["n_body"] + 5, d, generator=gen).half()
+    k_body, v_body = (torch.randn(hkv, args["n_body"] + 5, d, generator=gen).half().to(DEVICE) for _ in range(2))
     fp16_args = dict(args, k_body=k_body, v_body=v_body)
     got = decode_attention(q, k_new=k_new, v_new=v_new, num_splits=2, **fp16_args)
     want = reference_decode_attention(q, k_new=k_new, v_new=v_new, **fp16_args)
@@ -197,9 +206,13 @@ def test_split_k_decode_matches_reference_over_a_long_body(cfg, d, hq, hkv):
 
 
 def test_decode_attend_rejects_a_chunk():
-    cache = OscarKVCache(OscarConfig(sink=2, recent=2), 1, 2, 64, 8)
+    cache = OscarKVCache(OscarConfig(sink=2, recent=2), 1, 2, 64, 8, device=DEVICE)
+
+    def zeros(*shape):
+        return torch.zeros(*shape, device=DEVICE)
+
     with pytest.raises(OscarInputError, match="one token"):
-        triton_decode_attend(cache, 0, torch.zeros(4, 2, 64), torch.zeros(2, 2, 64), torch.zeros(2, 2, 64))
+        triton_decode_attend(cache, 0, zeros(4, 2, 64), zeros(2, 2, 64), zeros(2, 2, 64))
     with pytest.raises(OscarInputError, match="q_heads"):
-        triton_decode_attend(cache, 0, torch.zeros(3, 1, 64), torch.zeros(2, 1, 64), torch.zeros(2, 1, 64))
+        triton_decode_attend(cache, 0, zeros(3, 1, 64), zeros(2, 1, 64), zeros(2, 1, 64))
     assert cache.length[0] == 0
