@@ -17,7 +17,8 @@ from .config import OscarConfig, OscarInputError
 from .progress import progress
 from .rotations import oscar_rotation
 
-CLIP_CANDIDATES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80)
+# Down to 0.5: both models here chose the bottom of a range that stopped at 0.8.
+CLIP_CANDIDATES = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.80, 0.75, 0.70, 0.65, 0.60, 0.55, 0.50)
 
 
 def query_covariance(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -134,23 +135,19 @@ def _tokens_from_text(tokenizer, text: str, tokens: int, name: str) -> torch.Ten
     return torch.tensor(ids[:tokens])
 
 
-def calibrate(
+def fit_rotations(
     model,
     tokenizer,
     text: str,
-    config: OscarConfig,
     tokens: int = 16384,
     heldout_tokens: int = 512,
     window: int = 512,
     per_head: bool = False,
-    lloyd_max: bool = False,
     text_name: str = "calibration text",
 ) -> dict:
-    """Rotations (and clip ratios, Lloyd-Max levels) for `model` from `tokens` tokens of `text`.
-
-    The first `tokens` tokens feed the K and V objectives in windows of `window` tokens; the next
-    `heldout_tokens` pick the clip ratios by attention-output error and fit Lloyd-Max levels.
-    """
+    """The K and V rotations of `model` from the first `tokens` tokens of `text` (in windows of `window`
+    tokens), and the next `heldout_tokens` tokens' captured Q/K/V for fit_quantizer. They do not depend on
+    the cache format, so one fit serves every bit width."""
     if tokens <= 0 or heldout_tokens <= 0 or window <= 0:
         raise OscarInputError("tokens, heldout_tokens and window: expected positive token counts")
     ids = _tokens_from_text(tokenizer, text, tokens + heldout_tokens, text_name)
@@ -171,15 +168,20 @@ def calibrate(
 
     # Two passes: the V objective weights tokens by the final query covariance.
     stream("query covariance", add_queries)
-    config.check_head_dim(acc[0].head_dim)
     stream("score-weighted value covariance", lambda layer, q, k, v: acc[layer].add_values(k[0], v[0]))
-    rot = rotations_from(acc, per_head)
+    return {"rotations": rotations_from(acc, per_head), "heldout": collect_qkv(model, heldout_ids[None]),
+            "kv_heads": acc[0].kv_heads, "head_dim": acc[0].head_dim, "layers": layers}
 
-    heldout = collect_qkv(model, heldout_ids[None])
-    clips = {}
+
+def fit_quantizer(fitted: dict, config: OscarConfig, lloyd_max: bool = False) -> dict:
+    """Clip ratios for `config`'s bits and group, picked by attention-output error on the held-out tokens
+    (the searched curve is kept), and Lloyd-Max levels when asked: the calibration's result."""
+    config.check_head_dim(fitted["head_dim"])
+    rot, heldout = fitted["rotations"], fitted["heldout"]
+    clips, curves = {}, {}
     for kind in progress(("k", "v"), "calibration: clip search"):
-        errors = clip_errors(heldout, rot, config, kind)
-        clips[kind] = min(errors, key=errors.get)
+        curves[kind] = clip_errors(heldout, rot, config, kind)
+        clips[kind] = min(curves[kind], key=curves[kind].get)
     result = {
         "k_rotation": rot["k"],
         "v_rotation": rot["v"],
@@ -187,9 +189,12 @@ def calibrate(
         "v_eigenvalues": rot["v_eig"],
         "k_clip": clips["k"],
         "v_clip": clips["v"],
-        "kv_heads": acc[0].kv_heads,
-        "head_dim": acc[0].head_dim,
-        "layers": layers,
+        # the searched curve: mean attention-output relative error on the held-out tokens per clip ratio
+        "k_clip_errors": curves["k"],
+        "v_clip_errors": curves["v"],
+        "kv_heads": fitted["kv_heads"],
+        "head_dim": fitted["head_dim"],
+        "layers": fitted["layers"],
     }
     if lloyd_max:
         for kind in ("k", "v"):
@@ -202,3 +207,24 @@ def calibrate(
                 levels.append(fit_lloyd_max_levels(u, bits))
             result[f"{kind}_levels"] = torch.stack(levels)
     return result
+
+
+def calibrate(
+    model,
+    tokenizer,
+    text: str,
+    config: OscarConfig,
+    tokens: int = 16384,
+    heldout_tokens: int = 512,
+    window: int = 512,
+    per_head: bool = False,
+    lloyd_max: bool = False,
+    text_name: str = "calibration text",
+) -> dict:
+    """Rotations (and clip ratios, Lloyd-Max levels) for `model` from `tokens` tokens of `text`.
+
+    The first `tokens` tokens feed the K and V objectives in windows of `window` tokens; the next
+    `heldout_tokens` pick the clip ratios by attention-output error and fit Lloyd-Max levels.
+    """
+    fitted = fit_rotations(model, tokenizer, text, tokens, heldout_tokens, window, per_head, text_name)
+    return fit_quantizer(fitted, config, lloyd_max)

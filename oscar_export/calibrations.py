@@ -64,9 +64,12 @@ def model_digest(model_name: str) -> str:
 
 
 def cache_key(model_name: str, text_sha256: str, tokens: int, heldout_tokens: int, config: OscarConfig) -> str:
+    from .calibrate import CLIP_CANDIDATES
+
     fields = {"model": model_digest(model_name), "text": text_sha256, "tokens": tokens, "heldout": heldout_tokens,
               "k_bits": config.k_bits, "v_bits": config.v_bits, "cluster_dim": config.cluster_dim,
-              "scale_dtype": config.scale_dtype, "method": "oscar U.H.P_br"}
+              "scale_dtype": config.scale_dtype, "method": "oscar U.H.P_br",
+              "clip_candidates": list(CLIP_CANDIDATES)}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
@@ -102,6 +105,8 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
         "source_grouping": "layer",
         "k_clip": result["k_clip"],
         "v_clip": result["v_clip"],
+        "k_clip_errors": {str(c): round(e, 6) for c, e in result["k_clip_errors"].items()},
+        "v_clip_errors": {str(c): round(e, 6) for c, e in result["v_clip_errors"].items()},
         "codebook": "lloyd-max" if lloyd_max else "uniform",
         "k_bits": config.k_bits,
         "v_bits": config.v_bits,

@@ -1,7 +1,8 @@
 """Quality of the packed cache against baselines at the same bit budget.
 
 Methods (every quantized one keeps the same fp16 sink and recent windows from the OscarConfig,
-so the bit budgets match; each reports the bits per element its cache really stores):
+so the bit budgets match; each reports the bits per element its format stores). A spec may carry
+its own bits: ``oscar-3`` (3-bit K and V), ``oscar-k3v2`` (3-bit K, 2-bit V):
 
 - ``fp16``: plain attention over K/V rounded to fp16 (16 bits per element).
 - ``naive``: the OSCAR cache without a rotation (per-token, per-group asymmetric INT).
@@ -10,7 +11,8 @@ so the bit budgets match; each reports the bits per element its cache really sto
   tokens), V per token (groups of ``cluster_dim`` channels), with its fp16 residual
   (:class:`KiviCache`).
 - ``oscar``: the OSCAR cache with rotations from a rotation file, or calibrated on the fly
-  (:func:`oscar_export.calibrate.calibrate`) on text disjoint from the evaluation text.
+  (:mod:`oscar_export.calibrate`: rotations fitted once, clip ratios searched per bit width) on
+  text disjoint from the evaluation text.
 - ``online``: rotations estimated from each sequence's first chunk, as ``OscarCache``'s online
   mode does (:class:`OnlineOscarKVCache`).
 
@@ -22,25 +24,33 @@ from runs with and without a rotation file are comparable.
 
 Metrics:
 
-1. Perplexity at each context length: non-overlapping windows of the evaluation text, run
-   through the model with the method's cache in chunks (first chunk ``sink + recent`` tokens,
-   then ``chunk`` tokens), so later chunks read earlier tokens from the cache as stored.
-   Every predicted token of a window counts.
+1. Perplexity at each context length: non-overlapping windows of the longest context, each run
+   through the model with the method's cache as if fed in chunks (first chunk ``sink + recent``
+   tokens, then ``chunk`` tokens), so later chunks read earlier tokens as the cache stores them.
+   Perplexity at a shorter context c is that of the windows' first c tokens (for a causal model,
+   a window of c tokens).
 2. Attention-output relative error per layer on the model's captured post-RoPE Q/K/V:
-   prefill all but the last ``decode_tokens`` tokens, then decode those one at a time; the
-   decoded outputs are compared with exact fp32 attention.
-3. Needle retrieval: a random ``needle_tokens`` span of evaluation text is inserted at a depth
-   (fraction of the haystack before it) into ``needle_context`` tokens of other evaluation text,
-   and repeated at the end. Accuracy is the fraction of the repeat's tokens after its first
-   ``needle_prefix`` that greedy next-token prediction gets right under teacher forcing.
-   ``needle_control_accuracy`` is the fp16 accuracy on the same tokens when the haystack does
-   not contain the needle: only accuracy above it is retrieval.
+   prefill all but the last ``decode_tokens`` tokens, then decode those one at a time through the
+   cache itself; the decoded outputs are compared with exact fp32 attention.
+3. Needle retrieval: per seed, one sequence of ``needle_context`` haystack tokens with a random
+   ``needle_tokens`` span of other evaluation text inserted at each depth (fraction of the haystack
+   before it), then every needle repeated at the end. Accuracy per depth is the fraction of its
+   repeat's tokens after the first ``needle_prefix`` that greedy next-token prediction gets right
+   under teacher forcing. ``needle_control_accuracy`` is the fp16 accuracy on the same tokens when
+   the haystack does not contain the needles: only accuracy above it is retrieval.
+
+Perplexity and needle sequences run in one forward each (:class:`OnePass`): which positions a chunk
+reads from the body depends only on where the chunk starts, and what the body holds for a position
+only on that position's K/V (KIVI: its block), so the stored values are those of the chunked run
+bit for bit (tests compare them with the caches' own) and the attention differs only in float
+summation order.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -53,14 +63,16 @@ from .cache import OscarKVCache, causal_gqa_attention
 from .cache import bits_per_element as oscar_bits_per_element
 from .calibrate import online_rotations
 from .capture import collect_qkv
-from .codec import Quantized, dequantize, quantize
+from .codec import Quantized, check_finite, dequantize, quantize
 from .config import OscarConfig, OscarInputError
 from .hf_cache import attention_shape, route_attention
-from .progress import progress
+from .progress import note
 from .rotations import hadamard_rotations
 
 METHODS = ("fp16", "naive", "hadamard", "kivi", "oscar", "online")
-DEFAULT_METHODS = ("fp16", "naive", "hadamard", "kivi", "oscar")
+DEFAULT_METHODS = ("fp16", "naive", "hadamard", "kivi", "oscar", "online", "oscar-3", "oscar-k3v2")
+# Default contexts reach the model's max_position_embeddings up to this many tokens.
+DEFAULT_LONGEST_CONTEXT = 8192
 METRICS = ("perplexity", "attention", "needle")
 WINDOW_DTYPE = torch.float16
 FP16_MAX = torch.finfo(torch.float16).max
@@ -113,6 +125,10 @@ class Fp16Cache:
         out = causal_gqa_attention(q, self.k[layer, :, :n1].float(), self.v[layer, :, :n1].float(), n0, scale)
         self.length[layer] = n1
         return out
+
+    def sequence(self, layer: int, q, k, v, first: int) -> SequenceKV:
+        _check_chunk(self, layer, q, k, v)
+        return SequenceKV(q.float(), {"k": k.to(self.dtype).float(), "v": v.to(self.dtype).float()})
 
     @property
     def nbytes(self) -> int:
@@ -215,6 +231,27 @@ class KiviCache:
             self.quantized_to[layer] += self.group
         return out
 
+    def body_end(self, n0: int) -> int:
+        """End of the quantized positions a chunk starting at n0 reads: whole blocks that left the window."""
+        s = self.config.sink
+        return s + max(n0 - self.config.recent - s, 0) // self.group * self.group
+
+    def sequence(self, layer: int, q, k, v, first: int) -> SequenceKV:
+        """Every whole block of the sequence quantized as _quantize_block does it, all blocks at once."""
+        _check_chunk(self, layer, q, k, v)
+        cfg, g, s = self.config, self.group, self.config.sink
+        window = {"k": k.to(WINDOW_DTYPE).float(), "v": v.to(WINDOW_DTYPE).float()}
+        body = {kind: torch.zeros_like(x) for kind, x in window.items()}
+        end = s + max(k.shape[1] - s, 0) // g * g
+        if end > s:
+            heads, d = k.shape[0], k.shape[2]
+            blocks = window["k"][:, s:end].reshape(heads, -1, g, d).transpose(-1, -2)  # per channel per block
+            qk = quantize(blocks, cfg.k_bits, g, cfg.k_clip, None, cfg.scale_dtype)
+            body["k"][:, s:end] = dequantize(*qk, cfg.k_bits, g).transpose(-1, -2).reshape(heads, -1, d)
+            qv = quantize(window["v"][:, s:end], cfg.v_bits, cfg.cluster_dim, cfg.v_clip, None, cfg.scale_dtype)
+            body["v"][:, s:end] = dequantize(*qv, cfg.v_bits, cfg.cluster_dim)
+        return SequenceKV(q.float(), window, body, s)
+
     @property
     def nbytes(self) -> int:
         """Bytes KIVI holds now: codes, scales and zeros of the quantized blocks plus fp16 for every other token."""
@@ -228,7 +265,29 @@ class KiviCache:
         return _bits_from_bytes(self, self.nbytes)
 
 
-class OnlineOscarKVCache(OscarKVCache):
+class EvalOscarKVCache(OscarKVCache):
+    """The reference OSCAR cache, plus the one-pass view of a whole sequence the evaluation runs."""
+
+    def body_end(self, n0: int) -> int:
+        """End of the body a chunk starting at n0 reads: positions that left the recent window before it."""
+        return max(self.config.sink, n0 - self.config.recent)
+
+    def sequence(self, layer: int, q, k, v, first: int) -> SequenceKV:
+        """Rotated fp16 K/V of every position, and the values the body holds for each: dequantized from
+        the codes _store would write (quantize of the same fp16 vectors, one token at a time)."""
+        window = self._rotated_chunks(layer, k, v)  # validates, rotates and rounds as attend does
+        check_finite("q", q)
+        cfg, body = self.config, {}
+        for kind, x in window.items():
+            args = (cfg.bits(kind), cfg.cluster_dim)
+            levels = self.levels[kind][layer]
+            codes = quantize(x.float(), *args, cfg.clip(kind), levels, cfg.scale_dtype)
+            body[kind] = dequantize(*codes, *args, levels)
+        return SequenceKV(self.rotate("k", layer, q), {kind: x.float() for kind, x in window.items()}, body,
+                          cfg.sink, lambda out: self.unrotate_values(layer, out))
+
+
+class OnlineOscarKVCache(EvalOscarKVCache):
     """OscarCache's online mode on a plain OscarKVCache: each layer's rotations are estimated from
     its first chunk (the prompt) with the calibration objectives, then frozen."""
 
@@ -237,12 +296,89 @@ class OnlineOscarKVCache(OscarKVCache):
             self.set_rotation(layer, *online_rotations(q, k, v))
         return super().attend(layer, q, k, v, scaling)
 
+    def sequence(self, layer: int, q, k, v, first: int) -> SequenceKV:
+        self.set_rotation(layer, *online_rotations(q[:, :first], k[:, :first], v[:, :first]))
+        return super().sequence(layer, q, k, v, first)
 
-def stored_bits_per_element(cache) -> float:
-    """Bits per K/V element the cache really stores for the tokens it holds."""
+
+# -- one pass over a whole sequence ----------------------------------------------------------------
+#
+# A chunk's queries read the sink, the recent window and the chunk itself at fp16, and the body as
+# the codes the cache holds. Which positions are body depends only on where the query's chunk starts,
+# and a position's stored value only on its own K/V (KIVI: on its block), so a whole sequence can be
+# attended in one forward with the same stored values as feeding it chunk by chunk: the evaluation
+# runs one forward per sequence instead of one per chunk.
+
+
+@dataclass
+class SequenceKV:
+    """A cache's view of a whole sequence: queries in the space it attends in, the fp16 value of every
+    position (`window`) and, where the cache quantizes, the value its body holds (`body`, [Hkv, T, D])."""
+
+    q: torch.Tensor
+    window: dict[str, torch.Tensor]
+    body: dict[str, torch.Tensor] | None = None
+    sink: int = 0
+    unrotate: Callable[[torch.Tensor], torch.Tensor] = lambda out: out
+
+
+def one_pass_attention(seq: SequenceKV, body_end: torch.Tensor, scaling: float, block: int = 512) -> torch.Tensor:
+    """Causal GQA attention [Hq, T, D] where query p reads position t from the body when
+    sink <= t < body_end[p], else its fp16 value. Per block of queries, positions whose choice varies
+    inside the block appear twice (fp16 and body), each masked to the queries that read it."""
+    q, k, v = seq.q, seq.window["k"], seq.window["v"]
+    tokens = q.shape[1]
+    if seq.body is None:
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scaling,
+                                              enable_gqa=True)[0]
+    out = torch.empty_like(q)
+    for a in range(0, tokens, block):
+        b = min(a + block, tokens)
+        ends = body_end[a:b]
+        # Positions sink..lo-1 are body for every query here; none reads past b - 1.
+        lo, hi = min(int(ends.min()), b), min(int(ends.max()), b)
+        s = min(seq.sink, lo)
+        keys = [torch.cat([x[:, :s], seq.body[kind][:, s:lo], x[:, lo:b], seq.body[kind][:, lo:hi]], 1)
+                for kind, x in (("k", k), ("v", v))]
+        pos = torch.arange(b)
+        query = torch.arange(a, b)[:, None]
+        allowed = pos[None, :] <= query  # causal
+        allowed[:, lo:] &= pos[None, lo:] >= ends[:, None]  # fp16 copies of the varying positions
+        extra = (pos[None, lo:hi] < ends[:, None]) & (pos[None, lo:hi] <= query)
+        mask = torch.cat([allowed, extra], 1)
+        out[:, a:b] = F.scaled_dot_product_attention(q[None, :, a:b], keys[0][None], keys[1][None], attn_mask=mask,
+                                                     scale=scaling, enable_gqa=True)[0]
+    return out
+
+
+class OnePass:
+    """route_attention target: each layer's attention over the whole sequence at once, equal to feeding
+    the sequence to `cache` in the chunks `bounds` (first chunk bounds[0])."""
+
+    def __init__(self, cache, bounds: list[tuple[int, int]]):
+        self.cache, self.bounds = cache, bounds
+        self.tokens = bounds[-1][1]
+        self.body_end = torch.zeros(self.tokens, dtype=torch.long)
+        if hasattr(cache, "body_end"):
+            for n0, n1 in bounds:
+                self.body_end[n0:n1] = cache.body_end(n0)
+
+    def attend(self, layer: int, q, k, v, scaling: float | None = None) -> torch.Tensor:
+        if q.shape[1] != self.tokens:
+            raise OscarInputError(f"q has {q.shape[1]} tokens: expected the whole sequence of {self.tokens}")
+        seq = self.cache.sequence(layer, q, k, v, self.bounds[0][1])
+        scale = self.cache.head_dim**-0.5 if scaling is None else scaling
+        return seq.unrotate(one_pass_attention(seq, self.body_end, scale))
+
+
+def bits_at(cache, context: int) -> float:
+    """Bits per K/V element `cache`'s format stores once `context` tokens are cached (the layout formulas;
+    tests hold them to the bytes the caches really allocate)."""
     if isinstance(cache, OscarKVCache):
-        return oscar_bits_per_element(cache.config, cache.head_dim, max(cache.length))
-    return cache.bits_per_element()
+        return oscar_bits_per_element(cache.config, cache.head_dim, context)
+    if isinstance(cache, KiviCache):
+        return kivi_bits_per_element(cache.config, cache.head_dim, context)
+    return 8.0 * cache.k.element_size()
 
 
 # -- running a model with a cache ----------------------------------------------------------------
@@ -261,30 +397,16 @@ def chunk_bounds(total: int, chunk: int, first: int | None = None) -> list[tuple
 
 
 @torch.no_grad()
-def run_chunks(model, ids: torch.Tensor, cache, chunk: int, first: int | None = None,
-               keep: Callable[[int, int, torch.Tensor], None] | None = None) -> list[torch.Tensor]:
-    """Forward 1-D `ids` through `model` in chunks, every attention going through `cache`.
-
-    Each chunk gets explicit position_ids n0..n1-1 (use_cache=False would restart them at 0).
-    keep(n0, n1, logits [T, V]) is called per chunk; without it the chunks' logits are returned.
-    """
+def one_pass_logits(model, ids: torch.Tensor, cache, chunk: int, first: int | None = None,
+                    keep_last: int | None = None) -> torch.Tensor:
+    """Logits [T, V] of 1-D `ids` (of the last `keep_last` positions only, when given), attended through
+    `cache` as when fed to it in chunks of `chunk` tokens after a first chunk of `first`, in one forward."""
     ids = ids.reshape(-1)
-    kept = []
-    with route_attention(model, cache):
-        for n0, n1 in chunk_bounds(ids.shape[0], chunk, first):
-            logits = model(
-                input_ids=ids[None, n0:n1], position_ids=torch.arange(n0, n1)[None], use_cache=False
-            ).logits[0].float()
-            if keep is None:
-                kept.append(logits)
-            else:
-                keep(n0, n1, logits)
-    return kept
-
-
-def chunked_logits(model, ids: torch.Tensor, cache, chunk: int = 64, first: int | None = None) -> torch.Tensor:
-    """Logits [T, V] of a chunked forward through `cache`."""
-    return torch.cat(run_chunks(model, ids, cache, chunk, first), dim=0)
+    n = ids.shape[0]
+    kwargs = {} if keep_last is None else {"logits_to_keep": keep_last}
+    with route_attention(model, OnePass(cache, chunk_bounds(n, chunk, first))):
+        out = model(input_ids=ids[None], position_ids=torch.arange(n)[None], use_cache=False, **kwargs)
+    return out.logits[0].float()
 
 
 # -- methods -------------------------------------------------------------------------------------
@@ -301,7 +423,7 @@ class Method:
     notes: list[str] = field(default_factory=list)
 
 
-def _oscar_factory(config, shape, k_rot=None, v_rot=None, k_levels=None, v_levels=None, cls=OscarKVCache):
+def _oscar_factory(config, shape, k_rot=None, v_rot=None, k_levels=None, v_levels=None, cls=EvalOscarKVCache):
     layers, kv_heads, head_dim, _ = shape
     return lambda n: cls(config, layers, kv_heads, head_dim, n, k_rot, v_rot, k_levels, v_levels)
 
@@ -310,7 +432,8 @@ def _levels_for(levels, bits: int):
     return levels if levels is not None and levels.shape[-1] == 2**bits else None
 
 
-def oscar_from_rotations(rotations, config: OscarConfig, shape, source: str, label: str | None = None) -> Method:
+def oscar_from_rotations(rotations, config: OscarConfig, shape, source: str, label: str | None = None,
+                         name: str = "oscar") -> Method:
     """The `oscar` method from a RotationSet-like object (.k, .v, .k_levels, .v_levels, .metadata).
 
     Its clip ratios (and codebook, when Lloyd-Max levels for these bits are present) come from the
@@ -333,7 +456,7 @@ def oscar_from_rotations(rotations, config: OscarConfig, shape, source: str, lab
         if meta.get(key) is not None and meta[key] != getattr(config, key):
             notes.append(f"{source} was calibrated for {key}={meta[key]}; evaluated at {getattr(config, key)}")
     cfg = replace(config, **changes)
-    return Method("oscar", cfg, _oscar_factory(cfg, shape, rotations.k, rotations.v, k_levels, v_levels),
+    return Method(name, cfg, _oscar_factory(cfg, shape, rotations.k, rotations.v, k_levels, v_levels),
                   label or f"file {source}", notes)
 
 
@@ -346,70 +469,90 @@ class _Calibrated:
     metadata: dict
 
 
-def _oscar_method(model, tokenizer, config, shape, rotations, calibration_text, calibration_tokens,
-                  calibration_heldout) -> Method:
+def method_config(spec: str, config: OscarConfig) -> tuple[str, OscarConfig]:
+    """A method spec -> (method, its cache config): 'oscar' keeps `config`'s bits, 'oscar-3' has 3-bit K and V,
+    'oscar-k3v2' 3-bit K and 2-bit V."""
+    name, dash, bits = spec.partition("-")
+    match = re.fullmatch(r"([234])|k([234])v([234])", bits)
+    if name not in METHODS or (dash and (name == "fp16" or not match)):
+        raise OscarInputError(f"methods: {spec!r} is not a method: expected one of {list(METHODS)}, a quantized "
+                              f"one optionally with its bits: NAME-B or NAME-kBvB, B in 2, 3, 4 (e.g. oscar-3, kivi-k3v2)")
+    if not bits:
+        return name, config
+    k_bits, v_bits = (int(match[1]),) * 2 if match[1] else (int(match[2]), int(match[3]))
+    return name, replace(config, k_bits=k_bits, v_bits=v_bits)
+
+
+def _oscar_method(model, tokenizer, spec, config, shape, rotations, calibration, fitted) -> Method:
+    """`oscar` at `config`: from `rotations` (a file or RotationSet), else calibrated on `calibration`
+    (text, tokens, held-out tokens); `fitted` keeps the rotation fit for the other bit widths."""
     layers, kv_heads, head_dim, _ = shape
     if rotations is not None and not isinstance(rotations, (str, Path)):
-        return oscar_from_rotations(rotations, config, shape, "the given rotation set", "given rotation set")
+        return oscar_from_rotations(rotations, config, shape, "the given rotation set", "given rotation set", spec)
     if rotations is not None:
         from .rotation_files import load_rotations
 
         rs = load_rotations(rotations, layers=layers, head_dim=head_dim, kv_heads=kv_heads)
-        return oscar_from_rotations(rs, config, shape, str(rotations))
-    if calibration_text is None:
+        return oscar_from_rotations(rs, config, shape, str(rotations), None, spec)
+    text, tokens, heldout = calibration
+    if text is None:
         raise OscarInputError("methods: 'oscar' without rotations needs calibration text")
-    from .calibrate import calibrate
+    from .calibrate import fit_quantizer, fit_rotations
 
-    result = calibrate(model, tokenizer, calibration_text, config, tokens=calibration_tokens,
-                       heldout_tokens=calibration_heldout, lloyd_max=config.codebook == "lloyd-max",
-                       text_name="calibration part of the evaluation text")
+    if not fitted:
+        fitted.update(fit_rotations(model, tokenizer, text, tokens, heldout,
+                                    text_name="calibration part of the evaluation text"))
+    result = fit_quantizer(fitted, config, lloyd_max=config.codebook == "lloyd-max")
     meta = {"k_clip": result["k_clip"], "v_clip": result["v_clip"], "codebook": config.codebook}
     calibrated = _Calibrated(result["k_rotation"], result["v_rotation"], result.get("k_levels"),
                              result.get("v_levels"), meta)
-    return oscar_from_rotations(calibrated, config, shape, "calibration", "calibrated")
+    method = oscar_from_rotations(calibrated, config, shape, "calibration", "calibrated", spec)
+    method.notes.append(f"clip K {result['k_clip']:g}, V {result['v_clip']:g} (searched on the held-out "
+                        f"calibration tokens)")
+    return method
 
 
 def build_methods(model, tokenizer, names: Sequence[str], config: OscarConfig, rotations=None,
                   calibration_text: str | None = None, calibration_tokens: int = 4096,
                   calibration_heldout: int = 512, match_clip: bool = False) -> list[Method]:
-    """Method objects for `names`, in that order.
+    """Method objects for the specs `names` (see method_config), in that order.
 
-    Baselines use `config` with the uniform codebook; `oscar` takes its clip ratios (and Lloyd-Max
-    levels) from the rotation file or the calibration. match_clip: the quantized baselines use
-    oscar's clip ratios too, so only the rotation (or KIVI's grouping) differs.
+    Baselines use the uniform codebook; `oscar` takes its clip ratios (and Lloyd-Max levels) from the
+    rotation file or the calibration, which fits the rotations once for every bit width. match_clip:
+    the quantized baselines use the first oscar method's clip ratios too, so only the rotation (or
+    KIVI's grouping) differs.
     """
     shape = attention_shape(model)
     layers, kv_heads, head_dim, _ = shape
     config.check_head_dim(head_dim)
-    unknown = [name for name in names if name not in METHODS]
-    if unknown:
-        raise OscarInputError(f"methods: unknown method {unknown[0]!r}; expected a subset of {list(METHODS)}")
-    oscar = None
-    if "oscar" in names:
-        oscar = _oscar_method(model, tokenizer, config, shape, rotations, calibration_text, calibration_tokens,
-                              calibration_heldout)
-    base = replace(config, codebook="uniform")
+    specs = [(spec, *method_config(spec, config)) for spec in names]
+    calibration, fitted = (calibration_text, calibration_tokens, calibration_heldout), {}
+    oscars = {spec: _oscar_method(model, tokenizer, spec, cfg, shape, rotations, calibration, fitted)
+              for spec, name, cfg in specs if name == "oscar"}
+    clips = {}
     if match_clip:
-        if oscar is None:
+        if not oscars:
             raise OscarInputError("match_clip: expected 'oscar' among the methods (its clip ratios are matched)")
-        base = replace(base, k_clip=oscar.config.k_clip, v_clip=oscar.config.v_clip)
+        first = next(iter(oscars.values())).config
+        clips = {"k_clip": first.k_clip, "v_clip": first.v_clip}
     methods = []
-    for name in names:
+    for spec, name, cfg in specs:
+        base = replace(cfg, codebook="uniform", **clips)
         if name == "fp16":
-            methods.append(Method(name, None, lambda n: Fp16Cache(layers, kv_heads, head_dim, n), "none"))
+            methods.append(Method(spec, None, lambda n: Fp16Cache(layers, kv_heads, head_dim, n), "none"))
         elif name == "naive":
-            methods.append(Method(name, base, _oscar_factory(base, shape), "none"))
+            methods.append(Method(spec, base, _oscar_factory(base, shape), "none"))
         elif name == "hadamard":
             rot = hadamard_rotations(layers, head_dim)
-            methods.append(Method(name, base, _oscar_factory(base, shape, rot, rot), "hadamard"))
+            methods.append(Method(spec, base, _oscar_factory(base, shape, rot, rot), "hadamard"))
         elif name == "kivi":
-            methods.append(Method(name, base, lambda n: KiviCache(base, layers, kv_heads, head_dim, n),
+            methods.append(Method(spec, base, lambda n, b=base: KiviCache(b, layers, kv_heads, head_dim, n),
                                   "none (K per channel, V per token)"))
         elif name == "online":
-            methods.append(Method(name, base, _oscar_factory(base, shape, cls=OnlineOscarKVCache),
+            methods.append(Method(spec, base, _oscar_factory(base, shape, cls=OnlineOscarKVCache),
                                   "online (from each sequence's first chunk)"))
         else:
-            methods.append(oscar)
+            methods.append(oscars[spec])
     return methods
 
 
@@ -443,82 +586,73 @@ def attention_errors(qkv: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tens
     return errors
 
 
-def window_nll(model, ids: torch.Tensor, cache, chunk: int, first: int | None) -> tuple[float, int]:
-    """Summed next-token NLL and count over a window, run in chunks through `cache`."""
-    total = [0.0, 0]
-    n = ids.shape[0]
-
-    def keep(n0, n1, logits):
-        end = min(n1, n - 1)  # the last position predicts nothing
-        if end > n0:
-            total[0] += float(F.cross_entropy(logits[: end - n0], ids[n0 + 1 : end + 1], reduction="sum"))
-            total[1] += end - n0
-
-    run_chunks(model, ids, cache, chunk, first, keep)
-    return total[0], total[1]
+def token_nll(model, ids: torch.Tensor, cache, chunk: int, first: int | None) -> torch.Tensor:
+    """NLL [T - 1] of each next token of 1-D `ids`, the window attended through `cache` (one_pass_logits)."""
+    logits = one_pass_logits(model, ids, cache, chunk, first)
+    return F.cross_entropy(logits[:-1], ids.reshape(-1)[1:], reduction="none")
 
 
 @dataclass
 class NeedleCase:
-    ids: torch.Tensor  # haystack with the needle inserted, then the needle repeated
-    depth: float | None  # None: the control, haystack without the needle, then the needle
+    ids: torch.Tensor  # haystack with every needle inserted (the control: without them), then the repeats
     seed: int
-    answer_from: int  # first position of the repeat that is scored
+    answers: dict[float, tuple[int, int]]  # depth -> positions [from, to) of its repeat that are scored
 
 
 def needle_cases(ids: torch.Tensor, context: int, needle_tokens: int, prefix: int,
                  depths: Sequence[float], seeds: int, control: bool = False) -> list[NeedleCase]:
-    """Haystack of `context` tokens and a needle of `needle_tokens` from disjoint spans of `ids`
-    (drawn per seed), the needle inserted at each depth and repeated at the end.
+    """One sequence per seed: `context` tokens of haystack with one needle of `needle_tokens` inserted
+    at each depth, then every needle repeated in depth order. Haystack and needles are disjoint spans
+    of `ids`, drawn per seed. A repeat is scored after its first `prefix` tokens.
 
-    control=True gives one case per seed instead: the same haystack continued for
-    `needle_tokens` more tokens in place of the needle, then the needle: what the model
-    predicts of the needle without having seen it (the accuracy that is not retrieval).
+    control=True: the same haystack continued for as many tokens as the needles take instead of them,
+    then the same repeats: what the model predicts of a needle it has not seen (not retrieval).
     """
     if not 0 < prefix < needle_tokens:
         raise OscarInputError(f"needle_prefix={prefix}: expected 0 < needle_prefix < needle_tokens={needle_tokens}")
-    n, span = ids.shape[0], context + needle_tokens
-    if n < span + needle_tokens:
-        raise OscarInputError(
-            f"evaluation text has {n} tokens: expected at least needle_context + 2 * needle_tokens = "
-            f"{span + needle_tokens}"
-        )
+    depths = sorted(depths)
+    if not depths or len(set(depths)) != len(depths):
+        raise OscarInputError(f"needle depths {depths}: expected distinct fractions")
     for depth in depths:
         if not 0.0 <= depth <= 1.0:
             raise OscarInputError(f"needle depth {depth}: expected a fraction 0 <= depth <= 1")
+    n, k = ids.shape[0], len(depths)
+    span = context + k * needle_tokens  # haystack plus the needles (or the control's continuation)
+    if n < span + 2 * k * needle_tokens:
+        raise OscarInputError(
+            f"evaluation text has {n} tokens: expected at least needle_context + 3 * needle_tokens * depths = "
+            f"{span + 2 * k * needle_tokens}"
+        )
     cases = []
     for seed in range(seeds):
         rng = random.Random(seed)
         h0 = rng.randrange(0, n - span + 1)
-        free = [r for r in (range(0, h0 - needle_tokens + 1), range(h0 + span, n - needle_tokens + 1)) if len(r)]
-        s0 = rng.choice(rng.choice(free))
-        hay, needle = ids[h0 : h0 + span], ids[s0 : s0 + needle_tokens]
-        answer_from = span + prefix
+        # Needle starts: non-overlapping spans outside the haystack, drawn from a shuffled grid.
+        starts = [p for p in range(0, n - needle_tokens + 1, needle_tokens)
+                  if p + needle_tokens <= h0 or p >= h0 + span]
+        needles = [ids[p : p + needle_tokens] for p in rng.sample(starts, k)]
         if control:
-            cases.append(NeedleCase(torch.cat([hay, needle]), None, seed, answer_from))
-            continue
-        for depth in depths:
-            pos = round(depth * context)
-            seq = torch.cat([hay[:pos], needle, hay[pos:context], needle])
-            cases.append(NeedleCase(seq, depth, seed, answer_from))
+            parts = [ids[h0 : h0 + span]]
+        else:
+            hay, parts, at = ids[h0 : h0 + context], [], 0
+            for depth, needle in zip(depths, needles):
+                pos = round(depth * context)
+                parts += [hay[at:pos], needle]
+                at = pos
+            parts.append(hay[at:])
+        answers = {depth: (span + i * needle_tokens + prefix, span + (i + 1) * needle_tokens)
+                   for i, depth in enumerate(depths)}
+        cases.append(NeedleCase(torch.cat(parts + needles), seed, answers))
     return cases
 
 
-def needle_accuracy(model, case: NeedleCase, cache, chunk: int, first: int | None) -> float:
-    """Fraction of the repeat's tokens from answer_from on that greedy prediction gets right (teacher forcing)."""
+def needle_accuracy(model, case: NeedleCase, cache, chunk: int, first: int | None) -> dict[float, float]:
+    """Per depth: the fraction of its scored repeat tokens that greedy prediction gets right (teacher forcing)."""
     n = case.ids.shape[0]
-    hits = [0, 0]
-
-    def keep(n0, n1, logits):
-        lo = max(n0, case.answer_from - 1)  # logits at p predict token p + 1
-        hi = min(n1, n - 1)
-        if hi > lo:
-            pred = logits[lo - n0 : hi - n0].argmax(-1)
-            hits[0] += int((pred == case.ids[lo + 1 : hi + 1]).sum())
-            hits[1] += hi - lo
-
-    run_chunks(model, case.ids, cache, chunk, first, keep)
-    return hits[0] / hits[1]
+    start = min(a for a, _ in case.answers.values()) - 1  # logits at p predict token p + 1
+    pred = one_pass_logits(model, case.ids, cache, chunk, first, keep_last=n - start).argmax(-1)
+    return {depth: float((pred[a - 1 - start : b - 1 - start] == case.ids[a:b]).float().mean())
+            for depth, (a, b) in case.answers.items()}
 
 
 # -- the evaluation ------------------------------------------------------------------------------
@@ -548,7 +682,7 @@ def evaluate(
     bits: int | None = 2,
     config: OscarConfig | None = None,
     rotations=None,
-    contexts: Sequence[int] = (512, 1024, 2048),
+    contexts: Sequence[int] | None = None,
     *,
     text: str | Path | None = None,
     metrics: Sequence[str] = METRICS,
@@ -557,11 +691,11 @@ def evaluate(
     ppl_tokens: int = 4096,
     attn_tokens: int = 1024,
     decode_tokens: int = 16,
-    needle_context: int = 1024,
+    needle_context: int | None = None,
     needle_tokens: int = 24,
     needle_prefix: int = 8,
     needle_depths: Sequence[float] = (0.1, 0.3, 0.5, 0.7, 0.9),
-    needle_seeds: int = 2,
+    needle_seeds: int = 1,
     calibration_tokens: int = 4096,
     calibration_heldout: int = 512,
     match_clip: bool = False,
@@ -570,13 +704,16 @@ def evaluate(
 ) -> dict:
     """Perplexity, attention error and needle retrieval of each method's cache (see the module docstring).
 
-    bits: K and V bits of every quantized method (None: those of `config`). rotations: a rotation
-    file (or RotationSet) for `oscar`; None calibrates on the reserved first part of the text.
-    contexts: perplexity context lengths; ppl_tokens: tokens of text per context length (as many
-    whole windows as fit, at least one). prefill: first chunk (default sink + recent, which only
-    ever reads fp16, so it changes nothing but gives `online` a prompt to estimate from).
-    match_clip: the quantized baselines use oscar's clip ratios (default: the config's, 1.0 unless set),
-    so the comparison isolates the rotation from the clipping.
+    methods: specs, see method_config (e.g. oscar, oscar-3, kivi-k3v2). bits: K and V bits of every
+    quantized method without its own (None: those of `config`). rotations: a rotation file (or
+    RotationSet) for `oscar`; None calibrates on the reserved first part of the text. contexts:
+    perplexity context lengths: windows of the longest one, ppl_tokens of text in all (whole windows, at
+    least one); a shorter context's perplexity is that of the windows' first tokens. Default: P/4, P/2
+    and P, P the model's max_position_embeddings up to DEFAULT_LONGEST_CONTEXT (2048 when it has none);
+    needle_context defaults to P/2. prefill: first chunk
+    (default sink + recent, which only ever reads fp16, so it changes nothing but gives `online` a
+    prompt to estimate from). match_clip: the quantized baselines use oscar's clip ratios (default: the
+    config's, 1.0 unless set), so the comparison isolates the rotation from the clipping.
     model/tokenizer: an already loaded model (then model_name_or_path only names it).
     """
     started = time.perf_counter()
@@ -584,23 +721,26 @@ def evaluate(
     if bits is not None:
         config = replace(config, k_bits=bits, v_bits=bits)
     methods = list(methods)
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not methods or len(set(methods)) != len(methods):
-        raise OscarInputError(f"methods={methods}: expected distinct names from {list(METHODS)}")
+    if not methods or len(set(methods)) != len(methods):
+        raise OscarInputError(f"methods={methods}: expected distinct method specs")
+    for spec in methods:
+        method_config(spec, config)
     bad = [m for m in metrics if m not in METRICS]
     if bad:
         raise OscarInputError(f"metrics={list(metrics)}: expected a subset of {list(METRICS)}")
     for name, value in (("chunk", chunk), ("ppl_tokens", ppl_tokens), ("attn_tokens", attn_tokens),
-                        ("decode_tokens", decode_tokens), ("needle_context", needle_context),
+                        ("decode_tokens", decode_tokens),
                         ("needle_tokens", needle_tokens), ("needle_seeds", needle_seeds),
                         ("calibration_tokens", calibration_tokens), ("calibration_heldout", calibration_heldout)):
         _check_positive(name, value)
-    contexts = sorted(set(contexts))
-    if "perplexity" in metrics:
-        if not contexts:
+    if contexts is not None:
+        contexts = sorted(set(contexts))
+        if "perplexity" in metrics and not contexts:
             raise OscarInputError("contexts: expected at least one context length")
         for c in contexts:
             _check_positive("contexts", c)
+    if needle_context is not None:
+        _check_positive("needle_context", needle_context)
     first = prefill if prefill is not None else max(config.sink + config.recent, chunk)
     _check_positive("prefill", first)
 
@@ -614,13 +754,17 @@ def evaluate(
     layers, kv_heads, head_dim, q_heads = shape
     config.check_head_dim(head_dim)
     max_pos = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    longest_default = min(max_pos or 2048, DEFAULT_LONGEST_CONTEXT)
+    contexts = contexts or [longest_default // 4, longest_default // 2, longest_default]
+    needle_context = needle_context or longest_default // 2
+    needle_length = needle_context + 2 * len(needle_depths) * needle_tokens
     longest = max([*(contexts if "perplexity" in metrics else []),
-                   *([needle_context + 2 * needle_tokens] if "needle" in metrics else []),
+                   *([needle_length] if "needle" in metrics else []),
                    *([attn_tokens] if "attention" in metrics else [])], default=0)
     if max_pos and longest > max_pos:
         raise OscarInputError(
-            f"contexts/needle_context/attn_tokens need {longest} positions: expected at most the model's "
-            f"max_position_embeddings={max_pos}"
+            f"contexts/needle sequence/attn_tokens need {longest} positions: expected at most the model's "
+            f"max_position_embeddings={max_pos} (a needle sequence is needle_context + 2 * needle_tokens * depths)"
         )
 
     if text is None:
@@ -636,6 +780,7 @@ def evaluate(
     specs = build_methods(model, tokenizer, methods, config, rotations, calibration_text,
                           calibration_tokens, calibration_heldout, match_clip)
     timings["methods_and_calibration"] = time.perf_counter() - t0
+    note(f"eval: methods ready in {timings['methods_and_calibration']:.0f} s")
     results = {
         m.name: {
             "rotation": m.rotation,
@@ -653,29 +798,31 @@ def evaluate(
         for m in specs
     }
 
-    windows, needle_control = {}, None
+    windows, needle_control = [], None
     if "perplexity" in metrics:
         t0 = time.perf_counter()
-        for c in contexts:
-            count = min(max(1, ppl_tokens // c), ids.shape[0] // c)
-            if count == 0:
-                raise OscarInputError(
-                    f"contexts: {c} tokens but the evaluation part of {str(text)!r} has {ids.shape[0]}: "
-                    f"expected a context length that fits"
-                )
-            windows[c] = [ids[i * c : (i + 1) * c] for i in range(count)]
-        work = [(m, c, w) for m in specs for c in contexts for w in windows[c]]
-        sums = {(m.name, c): [0.0, 0] for m in specs for c in contexts}
-        for m, c, w in progress(work, f"perplexity ({len(work)} windows)"):
-            cache = m.make(c)
-            nll, count = window_nll(model, w, cache, chunk, first)
-            sums[(m.name, c)][0] += nll
-            sums[(m.name, c)][1] += count
-            results[m.name]["bits_per_element_by_context"][str(c)] = stored_bits_per_element(cache)
+        longest_context = contexts[-1]
+        count = min(max(1, ppl_tokens // longest_context), ids.shape[0] // longest_context)
+        if count == 0:
+            raise OscarInputError(
+                f"contexts: {longest_context} tokens but the evaluation part of {str(text)!r} has {ids.shape[0]}: "
+                f"expected a context length that fits"
+            )
+        windows = [ids[i * longest_context : (i + 1) * longest_context] for i in range(count)]
         for m in specs:
+            t1 = time.perf_counter()
+            nll = torch.zeros(longest_context - 1)
+            for w in windows:
+                nll += token_nll(model, w, m.make(longest_context), chunk, first)
             r = results[m.name]
-            r["perplexity_by_context"] = {str(c): math.exp(sums[(m.name, c)][0] / sums[(m.name, c)][1]) for c in contexts}
+            # A causal model's first c tokens of a window are a window of c tokens.
+            r["perplexity_by_context"] = {str(c): math.exp(float(nll[: c - 1].sum()) / (count * (c - 1)))
+                                          for c in contexts}
             r["perplexity"] = sum(r["perplexity_by_context"].values()) / len(contexts)
+            r["bits_per_element_by_context"] = {str(c): bits_at(m.make(1), c) for c in contexts}
+            note(f"eval: {m.name} perplexity " + ", ".join(f"{c}: {r['perplexity_by_context'][str(c)]:.3f}"
+                                                        for c in contexts)
+                 + f" ({count} window(s), {time.perf_counter() - t1:.0f} s)")
         timings["perplexity"] = time.perf_counter() - t0
 
     if "attention" in metrics:
@@ -683,37 +830,32 @@ def evaluate(
         if ids.shape[0] < attn_tokens:
             raise OscarInputError(f"attn_tokens={attn_tokens}: the evaluation text has only {ids.shape[0]} tokens")
         qkv = collect_qkv(model, ids[None, :attn_tokens])
-        for m in progress(specs, "attention error"):
+        for m in specs:
             errors = attention_errors(qkv, m.make, decode_tokens)
             results[m.name]["attention_error_by_layer"] = errors
             results[m.name]["attention_error"] = sum(errors) / len(errors)
-            if "perplexity" not in metrics:
-                cache = m.make(attn_tokens)
-                for layer in range(layers):
-                    q, k, v = qkv[layer]
-                    cache.attend(layer, q, k, v)
-                results[m.name]["bits_per_element_by_context"][str(attn_tokens)] = stored_bits_per_element(cache)
+            results[m.name]["bits_per_element_by_context"].setdefault(str(attn_tokens), bits_at(m.make(1), attn_tokens))
+            note(f"eval: {m.name} attention error {results[m.name]['attention_error']:.4f}")
         timings["attention"] = time.perf_counter() - t0
 
     if "needle" in metrics:
         t0 = time.perf_counter()
         cases = needle_cases(ids, needle_context, needle_tokens, needle_prefix, needle_depths, needle_seeds)
-        acc = {(m.name, d): [] for m in specs for d in needle_depths}
-        work = [(m, case) for m in specs for case in cases]
-        for m, case in progress(work, f"needle retrieval ({len(work)} runs)"):
-            cache = m.make(case.ids.shape[0])
-            acc[(m.name, case.depth)].append(needle_accuracy(model, case, cache, chunk, first))
-            if not results[m.name]["bits_per_element_by_context"]:
-                results[m.name]["bits_per_element_by_context"][str(case.ids.shape[0])] = stored_bits_per_element(cache)
-        control = [
-            needle_accuracy(model, case, Fp16Cache(layers, kv_heads, head_dim, case.ids.shape[0]), chunk, first)
-            for case in needle_cases(ids, needle_context, needle_tokens, needle_prefix, (), needle_seeds, True)
-        ]
-        needle_control = sum(control) / len(control)
         for m in specs:
-            by_depth = {str(d): sum(acc[(m.name, d)]) / len(acc[(m.name, d)]) for d in needle_depths}
+            t1 = time.perf_counter()
+            acc = [needle_accuracy(model, case, m.make(needle_length), chunk, first) for case in cases]
+            by_depth = {str(d): sum(a[d] for a in acc) / len(acc) for d in sorted(needle_depths)}
             results[m.name]["needle_by_depth"] = by_depth
             results[m.name]["needle_accuracy"] = sum(by_depth.values()) / len(by_depth)
+            results[m.name]["bits_per_element_by_context"].setdefault(str(needle_length),
+                                                                      bits_at(m.make(1), needle_length))
+            note(f"eval: {m.name} needle at {needle_context}: {results[m.name]['needle_accuracy']:.3f} "
+                 f"({len(cases)} sequence(s) of {needle_length} tokens, {time.perf_counter() - t1:.0f} s)")
+        control = [needle_accuracy(model, case, Fp16Cache(layers, kv_heads, head_dim, needle_length), chunk, first)
+                   for case in needle_cases(ids, needle_context, needle_tokens, needle_prefix, needle_depths,
+                                            needle_seeds, control=True)]
+        needle_control = sum(sum(a.values()) / len(a) for a in control) / len(control)
+        note(f"eval: needle control (fp16, no needle in the haystack) {needle_control:.3f}")
         timings["needle"] = time.perf_counter() - t0
 
     for m in specs:
@@ -721,6 +863,7 @@ def evaluate(
         if by_ctx:
             results[m.name]["bits_per_element"] = by_ctx[max(by_ctx, key=int)]
     timings["total"] = time.perf_counter() - started
+    note(f"eval: done in {timings['total']:.0f} s")
     return {
         "model": str(model_name_or_path),
         "bits": config.k_bits if config.k_bits == config.v_bits else f"K{config.k_bits}/V{config.v_bits}",
@@ -735,20 +878,22 @@ def evaluate(
         "settings": {
             "metrics": list(metrics),
             "contexts": contexts,
-            "windows_per_context": {str(c): len(w) for c, w in windows.items()},
+            "perplexity_windows": len(windows),
+            "perplexity_window_tokens": contexts[-1] if windows else None,
             "chunk": chunk,
             "prefill": first,
             "attn_tokens": attn_tokens,
             "decode_tokens": decode_tokens,
             "needle_context": needle_context,
+            "needle_sequence_tokens": needle_length,
             "needle_tokens": needle_tokens,
             "needle_prefix": needle_prefix,
-            "needle_depths": list(needle_depths),
+            "needle_depths": sorted(needle_depths),
             "needle_seeds": needle_seeds,
             "match_clip": match_clip,
         },
         "methods": results,
-        # fp16 accuracy on the needle's tokens when the haystack does not contain it: what is not retrieval
+        # fp16 accuracy on the needles' tokens when the haystack does not contain them: what is not retrieval
         "needle_control_accuracy": needle_control,
         "runtime_s": timings,
     }
@@ -791,11 +936,11 @@ def print_table(result: dict, console=None) -> None:
         )
     console.print(table)
     if result.get("needle_control_accuracy") is not None:
-        console.print(f"needle control (fp16, needle not in the haystack): {result['needle_control_accuracy']:.3f} "
+        console.print(f"needle control (fp16, needles not in the haystack): {result['needle_control_accuracy']:.3f} "
                       "accuracy; only the excess over it is retrieval")
     for name, r in result["methods"].items():
-        for note in r["notes"]:
-            console.print(f"[yellow]note ({name}):[/yellow] {note}")
+        for line in r["notes"]:
+            console.print(f"[yellow]note ({name}):[/yellow] {line}")
 
 
 def plot(result: dict, path: str | Path) -> Path:
@@ -834,7 +979,7 @@ def plot(result: dict, path: str | Path) -> Path:
         ax.grid(alpha=0.3)
         if ax.has_data():
             ax.legend(fontsize=8)
-    fig.suptitle(f"{result['model']}: {result['bits']}-bit KV cache, sink {result['config']['sink']}, "
+    fig.suptitle(f"{Path(result['model']).name}: {result['bits']}-bit KV cache, sink {result['config']['sink']}, "
                  f"recent {result['config']['recent']}, cluster_dim {result['config']['cluster_dim']}")
     try:
         fig.savefig(path, dpi=110)

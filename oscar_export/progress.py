@@ -14,3 +14,8 @@ _console = Console(stderr=True)
 
 def progress(items: Iterable[T], description: str) -> Iterator[T]:
     return track(items, description=description, console=_console, transient=True)
+
+
+def note(message: str) -> None:
+    """One line on stderr: on a terminal beside the bars, and kept in a redirected log."""
+    _console.print(message, markup=False, highlight=False, soft_wrap=True)

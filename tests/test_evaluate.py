@@ -1,4 +1,5 @@
-"""Quality evaluation: the chunked runner is exact, KIVI matches a by-hand computation, the
+"""Quality evaluation: the one-pass runner gives what feeding the caches chunk by chunk gives (the same
+stored values bit for bit, the same logits to float rounding), KIVI matches a by-hand computation, the
 methods order as expected on constructed data, and the result, table, plot and CLI work."""
 
 import argparse
@@ -14,18 +15,25 @@ from oscar_export.cache import OscarKVCache
 from oscar_export.cache import bits_per_element as oscar_bits
 from oscar_export.config import OscarConfig, OscarInputError
 from oscar_export.evaluate import (
+    EvalOscarKVCache,
     Fp16Cache,
     KiviCache,
+    OnePass,
+    OnlineOscarKVCache,
     attention_errors,
+    bits_at,
     build_methods,
-    chunked_logits,
+    chunk_bounds,
     evaluate,
     kivi_bits_per_element,
+    method_config,
     needle_cases,
+    one_pass_attention,
+    one_pass_logits,
     plot,
     print_table,
-    stored_bits_per_element,
 )
+from oscar_export.hf_cache import route_attention
 from oscar_export.models import BUNDLED_MODEL_DIR
 from oscar_export.rotations import hadamard_rotations
 
@@ -64,19 +72,117 @@ def text_file(tmp_path_factory):
     return path
 
 
-# -- the chunked runner --------------------------------------------------------------------------
+# -- the one-pass runner against feeding the cache chunk by chunk -------------------------------
+
+
+@torch.no_grad()
+def chunked_logits(model, ids, cache, chunk, first=None):
+    """The reference: every chunk through cache.attend, each with its own positions."""
+    with route_attention(model, cache):
+        return torch.cat([model(input_ids=ids[None, n0:n1], position_ids=torch.arange(n0, n1)[None],
+                                use_cache=False).logits[0] for n0, n1 in chunk_bounds(ids.shape[0], chunk, first)])
+
+
+def orthogonal(gen, layers, d):
+    return torch.stack([torch.linalg.qr(torch.randn(d, d, generator=gen))[0] for _ in range(layers)])
+
+
+def caches(n):
+    """A fresh cache of every kind, for n tokens of the tiny model (2 layers, 2 KV heads, head_dim 64)."""
+    gen = torch.Generator().manual_seed(4)
+    cfg = OscarConfig(sink=8, recent=24, cluster_dim=32)
+    lloyd = OscarConfig(k_bits=3, v_bits=2, sink=8, recent=24, codebook="lloyd-max", k_clip=0.8, scale_dtype="bfloat16")
+    levels = {b: torch.stack([torch.tensor([0.0, 0.9, 2.1, 3.0]) if b == 2 else torch.linspace(0, 7, 8)
+                              + torch.tensor([0, .2, -.1, .3, 0, .1, -.2, 0])] * 2) for b in (2, 3)}
+    return {
+        "fp16": Fp16Cache(2, 2, 64, n),
+        "kivi": KiviCache(cfg, 2, 2, 64, n),
+        "naive": EvalOscarKVCache(cfg, 2, 2, 64, n),
+        "rotated lloyd-max K3/V2": EvalOscarKVCache(lloyd, 2, 2, 64, n, orthogonal(gen, 2, 64), orthogonal(gen, 2, 64),
+                                                  levels[3], levels[2]),
+        "online": OnlineOscarKVCache(cfg, 2, 2, 64, n),
+    }
 
 
 @pytest.mark.parametrize("chunk, first", [(64, None), (37, 100), (1, 250)])
-def test_chunked_fp16_equals_plain_forward(tiny, chunk, first):
+def test_one_pass_fp16_equals_plain_forward(tiny, chunk, first):
     ids = torch.randint(0, VOCAB, (260,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain = tiny(input_ids=ids[None]).logits[0]
-    exact = chunked_logits(tiny, ids, Fp16Cache(2, 2, 64, 260, dtype=torch.float32), chunk, first)
+    exact = one_pass_logits(tiny, ids, Fp16Cache(2, 2, 64, 260, dtype=torch.float32), chunk, first)
     torch.testing.assert_close(exact, plain, atol=1e-5, rtol=0)
-    fp16 = chunked_logits(tiny, ids, Fp16Cache(2, 2, 64, 260), chunk, first)
+    fp16 = one_pass_logits(tiny, ids, Fp16Cache(2, 2, 64, 260), chunk, first)
     assert (fp16 - plain).abs().max() < 1e-3  # only K/V rounding to fp16
     assert tiny.config._attn_implementation != "oscar_eval"  # restored
+
+
+@pytest.mark.parametrize("kind", ["fp16", "kivi", "naive", "rotated lloyd-max K3/V2", "online"])
+@pytest.mark.parametrize("chunk, first", [(40, 64), (1, 33), (300, None)])
+def test_one_pass_equals_the_chunked_cache(tiny, kind, chunk, first):
+    ids = torch.randint(0, VOCAB, (300,), generator=torch.Generator().manual_seed(2))
+    want = chunked_logits(tiny, ids, caches(300)[kind], chunk, first)
+    got = one_pass_logits(tiny, ids, caches(300)[kind], chunk, first)
+    # float work only (attention summation order): the stored values are compared bit for bit below
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+    last = one_pass_logits(tiny, ids, caches(300)[kind], chunk, first, keep_last=7)
+    torch.testing.assert_close(last, got[-7:], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["kivi", "naive", "rotated lloyd-max K3/V2", "online"])
+def test_one_pass_reads_the_values_the_cache_stores(kind):
+    """After feeding a sequence chunk by chunk, each position the cache holds (sink, body codes
+    dequantized, recent window) equals the one-pass view's value for it, bit for bit; and the body a
+    chunk reads ends where the cache's body ended before that chunk."""
+    gen = torch.Generator().manual_seed(6)
+    n, bounds = 290, chunk_bounds(290, 45, 32)
+    q, k, v = torch.randn(4, n, 64, generator=gen), torch.randn(2, n, 64, generator=gen) * 3, \
+        torch.randn(2, n, 64, generator=gen)
+    k[:, :, 5] += 9  # an outlier channel
+    fed, view = caches(n)[kind], caches(n)[kind]
+    ends = []
+    for n0, n1 in bounds:
+        ends.append(fed.quantized_to[1] if kind == "kivi" else fed.config.sink + max(fed.length[1] - 8 - 24, 0))
+        fed.attend(1, q[:, n0:n1], k[:, n0:n1], v[:, n0:n1])
+    seq = view.sequence(1, q, k, v, bounds[0][1])
+    assert [view.body_end(n0) for n0, _ in bounds] == ends
+    end = view.body_end(n)  # the body after the whole sequence
+    for name in ("k", "v"):
+        stored = fed.stored(name, 1)
+        sink = view.config.sink
+        torch.testing.assert_close(stored[:, :sink], seq.window[name][:, :sink], rtol=0, atol=0)
+        torch.testing.assert_close(stored[:, sink:end], seq.body[name][:, sink:end], rtol=0, atol=0)
+        torch.testing.assert_close(stored[:, end:], seq.window[name][:, end:], rtol=0, atol=0)
+
+
+def test_one_pass_blocks_of_queries_agree():
+    gen = torch.Generator().manual_seed(8)
+    n = 300
+    q, k, v = torch.randn(4, n, 64, generator=gen), torch.randn(2, n, 64, generator=gen), torch.randn(2, n, 64, generator=gen)
+    for kind in ("kivi", "rotated lloyd-max K3/V2"):
+        cache = caches(n)[kind]
+        seq = cache.sequence(0, q, k, v, 32)
+        ends = torch.tensor([cache.body_end(n0) for n0, n1 in chunk_bounds(n, 45, 32) for _ in range(n0, n1)])
+        whole = one_pass_attention(seq, ends, 0.125)
+        for block in (1, 37, 128):
+            torch.testing.assert_close(one_pass_attention(seq, ends, 0.125, block), whole, atol=1e-5, rtol=0)
+
+
+def test_one_pass_rejects_a_chunk(tiny):
+    target = OnePass(Fp16Cache(2, 2, 64, 50), chunk_bounds(50, 10))
+    with pytest.raises(OscarInputError, match="whole sequence of 50"):
+        target.attend(0, torch.zeros(4, 10, 64), torch.zeros(2, 10, 64), torch.zeros(2, 10, 64))
+
+
+def test_method_specs():
+    cfg = OscarConfig(sink=8)
+    assert method_config("oscar", cfg) == ("oscar", cfg)
+    name, c = method_config("oscar-3", cfg)
+    assert (name, c.k_bits, c.v_bits, c.sink) == ("oscar", 3, 3, 8)
+    name, c = method_config("kivi-k3v2", cfg)
+    assert (name, c.k_bits, c.v_bits) == ("kivi", 3, 2)
+    for bad in ("fp16-2", "oscar-5", "oscar-k3", "gptq", "oscar-"):
+        with pytest.raises(OscarInputError, match="methods"):
+            method_config(bad, cfg)
 
 
 def test_window_nll_matches_model_loss(tiny, text_file):
@@ -186,32 +292,39 @@ def test_method_ordering_with_an_outlier_channel(tiny):
     assert sum(attention_errors(qkv, naive3.make, 16)) < err["naive"]
 
 
-def test_stored_bits_are_the_layout_formula():
-    cfg = OscarConfig(sink=8, recent=16)
-    cache = OscarKVCache(cfg, 1, 2, 64, 100)
-    cache.attend(0, torch.randn(4, 100, 64), torch.randn(2, 100, 64), torch.randn(2, 100, 64))
-    assert stored_bits_per_element(cache) == pytest.approx(cache.nbytes * 8 / (2 * 100 * 2 * 64))
+def test_bits_are_the_bytes_the_caches_hold():
+    cfg = OscarConfig(sink=8, recent=16, cluster_dim=32)
+    for cache in (OscarKVCache(cfg, 1, 2, 64, 100), KiviCache(cfg, 1, 2, 64, 100), Fp16Cache(1, 2, 64, 100)):
+        cache.attend(0, torch.randn(4, 100, 64), torch.randn(2, 100, 64), torch.randn(2, 100, 64))
+        assert bits_at(cache, 100) == pytest.approx(cache.nbytes * 8 / (2 * 100 * 2 * 64)), type(cache).__name__
 
 
 def test_needle_cases_layout():
-    ids = torch.arange(1000)
-    cases = needle_cases(ids, context=200, needle_tokens=24, prefix=8, depths=(0.0, 0.5, 1.0), seeds=2)
-    assert len(cases) == 6
-    for case in cases:
+    ids = torch.arange(2000)
+    depths = (0.0, 0.5, 1.0)
+    cases = needle_cases(ids, context=200, needle_tokens=24, prefix=8, depths=depths, seeds=2)
+    controls = needle_cases(ids, context=200, needle_tokens=24, prefix=8, depths=depths, seeds=2, control=True)
+    assert len(cases) == len(controls) == 2
+    span = 200 + 3 * 24
+    for case, control in zip(cases, controls):
         seq = case.ids
-        assert seq.shape[0] == 200 + 48
-        needle = seq[-24:]
-        pos = round(case.depth * 200)
-        assert torch.equal(seq[pos : pos + 24], needle)
-        assert case.answer_from == 200 + 24 + 8
-        hay = torch.cat([seq[:pos], seq[pos + 24 : 224]])
-        assert not set(needle.tolist()) & set(hay.tolist())  # needle and haystack are disjoint spans
-    controls = needle_cases(ids, context=200, needle_tokens=24, prefix=8, depths=(), seeds=2, control=True)
-    for case, control in zip(cases[::3], controls):
-        assert control.depth is None and control.answer_from == case.answer_from
-        assert torch.equal(control.ids[-24:], case.ids[-24:])  # the same needle after the same haystack
-        assert torch.equal(control.ids[:200], case.ids[24:224])  # depth 0: the haystack follows the needle
-        assert not set(control.ids[-24:].tolist()) & set(control.ids[:-24].tolist())
+        assert seq.shape[0] == control.ids.shape[0] == span + 3 * 24
+        repeats = [seq[span + i * 24 : span + (i + 1) * 24] for i in range(3)]
+        for i, (depth, needle) in enumerate(zip(depths, repeats)):
+            pos = round(depth * 200) + i * 24  # earlier needles shift it
+            assert torch.equal(seq[pos : pos + 24], needle)
+            assert case.answers[depth] == (span + i * 24 + 8, span + (i + 1) * 24)
+        hay = [t for t in seq[:span].tolist() if t not in set(torch.cat(repeats).tolist())]
+        assert len(hay) == 200  # the haystack and the needles are disjoint spans
+        assert hay == list(range(hay[0], hay[0] + 200))  # one contiguous haystack around the needles
+        # The control: the same repeats after a haystack continued where the needles were.
+        assert torch.equal(control.ids[span:], seq[span:]) and control.answers == case.answers
+        assert control.ids[:span].tolist() == list(range(hay[0], hay[0] + span))
+        assert not set(control.ids[:span].tolist()) & set(torch.cat(repeats).tolist())
+    with pytest.raises(OscarInputError, match="needle_prefix"):
+        needle_cases(ids, 200, 24, 24, depths, 1)
+    with pytest.raises(OscarInputError, match="at least"):
+        needle_cases(torch.arange(300), 200, 24, 8, depths, 1)
 
 
 # -- the whole evaluation ------------------------------------------------------------------------
@@ -327,7 +440,8 @@ def test_cli_parses_and_names_bad_input(tmp_path):
     assert args.bits == 3 and args.json and args.methods == "fp16,kivi"
     with pytest.raises(OscarInputError, match="/no/such/model"):
         args.func(args)
-    for flag, value in (("--methods", "fp16,bogus"), ("--contexts", "512,x"), ("--needle-depths", "2")):
+    for flag, value in (("--methods", "fp16,bogus"), ("--methods", "fp16,fp16"), ("--contexts", "512,x"),
+                        ("--needle-depths", "2")):
         args = parser.parse_args(["eval", flag, value])
         with pytest.raises(OscarInputError, match=flag):
             args.func(args)

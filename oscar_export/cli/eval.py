@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 
 from .flags import add_cache_flags, config_from_args, number_list, positive_int
-from ..config import OscarInputError
-from ..evaluate import DEFAULT_METHODS, METHODS, METRICS
+from ..config import OscarConfig, OscarInputError
+from ..evaluate import DEFAULT_METHODS, METHODS, METRICS, method_config
 
 
 def _names(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -21,6 +21,18 @@ def _names(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
     if not names or bad or len(set(names)) != len(names):
         raise OscarInputError(f"{flag}={text!r}: expected distinct comma-separated names from {','.join(allowed)}")
     return names
+
+
+def _method_specs(text: str) -> list[str]:
+    specs = [m.strip() for m in text.split(",") if m.strip()]
+    try:
+        for spec in specs:
+            method_config(spec, OscarConfig())
+    except OscarInputError as err:
+        raise OscarInputError(f"--methods={text!r}: {err}") from None
+    if not specs or len(set(specs)) != len(specs):
+        raise OscarInputError(f"--methods={text!r}: expected distinct comma-separated method specs")
+    return specs
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -37,11 +49,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     result = evaluate(
         args.model,
-        methods=_names(args.methods, METHODS, "--methods"),
+        methods=_method_specs(args.methods),
         bits=None,  # --bits/--k-bits/--v-bits are in the config
         config=config_from_args(args),
         rotations=args.rotations,
-        contexts=_ints(args.contexts, "--contexts"),
+        contexts=_ints(args.contexts, "--contexts") if args.contexts else None,
         text=args.text,
         metrics=_names(args.metrics, METRICS, "--metrics"),
         chunk=args.chunk,
@@ -76,21 +88,26 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--model", default="bundled", help="'bundled', a local HF checkpoint directory or a .gguf file")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
-                   help=f"comma-separated, from {','.join(METHODS)} (default %(default)s)")
+                   help=f"comma-separated, from {','.join(METHODS)}; a quantized one may name its bits: "
+                        f"oscar-3, oscar-k3v2 (default %(default)s)")
     p.add_argument("--rotations", type=Path,
                    help="rotation file for 'oscar' (default: calibrate on the reserved first part of the text)")
     p.add_argument("--text", type=Path, help="UTF-8 evaluation text (default: the bundled held-out text)")
     p.add_argument("--metrics", default=",".join(METRICS), help="comma-separated subset of %(default)s")
-    p.add_argument("--contexts", default="512,1024,2048", help="perplexity context lengths (default %(default)s)")
+    p.add_argument("--contexts", help="perplexity context lengths (default: P/4, P/2 and P, P the model's "
+                                      "max_position_embeddings up to 8192)")
     p.add_argument("--ppl-tokens", type=positive_int, default=4096,
-                   help="tokens of text per context length (whole windows, at least one; default %(default)s)")
+                   help="tokens of text in windows of the longest context (whole windows, at least one; shorter "
+                        "contexts read the windows' first tokens; default %(default)s)")
     p.add_argument("--chunk", type=positive_int, default=64, help="tokens per forward chunk (default %(default)s)")
     p.add_argument("--attn-tokens", type=positive_int, default=1024,
                    help="tokens captured for the attention error (default %(default)s)")
-    p.add_argument("--needle-context", type=positive_int, default=1024,
-                   help="haystack tokens of the needle task (default %(default)s)")
-    p.add_argument("--needle-depths", default="0.1,0.3,0.5,0.7,0.9", help="needle depths (default %(default)s)")
-    p.add_argument("--needle-seeds", type=positive_int, default=2, help="haystack/needle draws (default %(default)s)")
+    p.add_argument("--needle-context", type=positive_int,
+                   help="haystack tokens of the needle task (default P/2, see --contexts)")
+    p.add_argument("--needle-depths", default="0.1,0.3,0.5,0.7,0.9",
+                   help="needle depths, one needle each in the same haystack (default %(default)s)")
+    p.add_argument("--needle-seeds", type=positive_int, default=1,
+                   help="haystack/needle draws, one sequence each (default %(default)s)")
     p.add_argument("--calibration-tokens", type=positive_int, default=4096,
                    help="tokens for on-the-fly calibration of 'oscar' (default %(default)s)")
     p.add_argument("--match-clip", action="store_true",
