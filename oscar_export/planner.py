@@ -28,10 +28,12 @@ def parse_bytes(text: str, name: str = "memory") -> int:
 
 def weight_bytes(
     shape: ModelShape, weight_bits: int, embedding_bits: int = 16, group: int = DEFAULT_WEIGHT_GROUP,
-    zero_points: bool = True,
+    zero_points: bool = True, head_bits: int | None = None,
 ) -> dict[str, int]:
-    """Bytes of each part of the weights; linear layers and lm_head at weight_bits, with an fp16 scale per
-    group of input channels and, unless the quantization is symmetric (zero_points=False), an fp16 zero."""
+    """Bytes of each part of the weights; linear layers at weight_bits and the lm_head at head_bits (default
+    weight_bits), with an fp16 scale per group of input channels and, unless the quantization is symmetric
+    (zero_points=False), an fp16 zero."""
+    head_bits = weight_bits if head_bits is None else head_bits
 
     def _matrix_bytes(params: int, bits: int) -> int:
         return params * 2 if bits >= 16 else params * bits // 8 + -(-params // group) * (4 if zero_points else 2)
@@ -43,8 +45,8 @@ def weight_bytes(
         "embeddings": _matrix_bytes(shape.vocab * shape.hidden, embedding_bits),
         # A tied lm_head shares the embedding table only at the same precision; a quantized
         # matmul cannot read a 16-bit lookup table, so exports store a quantized copy.
-        "lm_head": 0 if shape.tied_embeddings and weight_bits == embedding_bits
-        else _matrix_bytes(shape.vocab * shape.hidden, weight_bits),
+        "lm_head": 0 if shape.tied_embeddings and head_bits == embedding_bits
+        else _matrix_bytes(shape.vocab * shape.hidden, head_bits),
         # The K rotation per layer and KV head, fp32 (the V rotation is folded into the weights).
         "rotations": 4 * shape.layers * shape.kv_heads * shape.head_dim**2,
         # Norm weights and q/k/v biases stay in fp16.
@@ -90,6 +92,7 @@ def plan(
     reserve: int | None = None,
     weight_group: int = DEFAULT_WEIGHT_GROUP,
     weight_zero_points: bool = True,
+    head_bits: int | None = None,
 ) -> dict:
     config.check_head_dim(shape.head_dim)
     if not isinstance(context, int) or context <= 0:
@@ -98,12 +101,14 @@ def plan(
         raise OscarInputError(f"weight_bits={weight_bits!r}: expected 4, 8 or 16")
     if embedding_bits not in (4, 8, 16):
         raise OscarInputError(f"embedding_bits={embedding_bits!r}: expected 4, 8 or 16")
+    if head_bits not in (None, 4, 8, 16):
+        raise OscarInputError(f"head_bits={head_bits!r}: expected 4, 8 or 16")
     reserve = int(device_memory * DEFAULT_RESERVE_FRACTION) if reserve is None else reserve
     if reserve < 0 or reserve >= device_memory:
         raise OscarInputError(f"reserve={reserve} bytes: expected 0 <= reserve < device memory ({device_memory})")
     if not isinstance(weight_group, int) or weight_group <= 0:
         raise OscarInputError(f"weight_group={weight_group!r}: expected a positive channel count")
-    weights = weight_bytes(shape, weight_bits, embedding_bits, weight_group, weight_zero_points)
+    weights = weight_bytes(shape, weight_bits, embedding_bits, weight_group, weight_zero_points, head_bits)
 
     def oscar(n: int) -> int:
         return cache_bytes(config, shape.layers, shape.kv_heads, shape.head_dim, n)
@@ -129,6 +134,7 @@ def plan(
         "context": context,
         "weight_bits": weight_bits,
         "embedding_bits": embedding_bits,
+        "head_bits": weight_bits if head_bits is None else head_bits,
         "weight_group": weight_group,
         "weight_zero_points": weight_zero_points,
         "weights_bytes": weights["total"],

@@ -157,6 +157,8 @@ def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, capsys):
         manifest["files"])
     model = onnx.load(out / "model.onnx", load_external_data=False)
     assert sum(n.op_type == "MatMulNBits" for n in model.graph.node) == 4 * 7 + 1  # every linear and lm_head
+    bits = [next(a.i for a in n.attribute if a.name == "bits") for n in model.graph.node if n.op_type == "MatMulNBits"]
+    assert bits == [4] * (4 * 7) + [8]  # the lm_head, last, at 8 bits
     size = (out / "model.onnx.data").stat().st_size
     assert size < 0.5 * (float_artifact / "model.onnx.data").stat().st_size
     tables = {t.name: t.data_type for t in model.graph.initializer}

@@ -85,7 +85,9 @@ class IosTarget(Target):
         }
         return Lowered(lambda temp: mlmodel.save(str(temp / MODEL_FILE)),
                        "float16" if float_weights else f"int4 (linear_symmetric, block {options.weight_block})",
-                       dict(weight_bits=16 if float_weights else 4, weight_group=options.weight_block),
+                       # every parameter matrix, the embedding table too, 4-bit symmetric (no zero points)
+                       dict(weight_bits=16 if float_weights else 4, embedding_bits=16 if float_weights else 4,
+                            weight_zero_points=False, weight_group=options.weight_block),
                        dict(deployment_target="iOS18 / macOS15", compute_precision="float32",
                             io=io_layout(module, max_context, max_chunk), cache=cache))
 

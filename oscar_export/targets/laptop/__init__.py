@@ -48,8 +48,9 @@ class LaptopTarget(Target):
             shutil.copy2(library, temp / LIBRARY_FILE)
 
         return Lowered(write, "float32" if float_weights else
-                       f"int4 (MatMulNBits, block {options.weight_block}), fp16 embeddings",
-                       dict(weight_bits=16 if float_weights else 4, weight_group=options.weight_block))
+                       f"int4 (MatMulNBits, block {options.weight_block}), int8 lm_head, fp16 embeddings",
+                       dict(weight_bits=16 if float_weights else 4, head_bits=16 if float_weights else 8,
+                            weight_group=options.weight_block))
 
     def runner(self, directory, manifest, runtime, threads):
         from .ort_runner import OrtLM
@@ -114,7 +115,7 @@ class LaptopTarget(Target):
 
 
 def _matmul_nbits_weights(model_path: Path) -> list[torch.Tensor]:
-    """Each MatMulNBits node's weight [N, K], dequantized as ONNX Runtime does, in graph order."""
+    """Each MatMulNBits node's weight [N, K] (4 or 8 bits), dequantized as ONNX Runtime does, in graph order."""
     import onnx
     from onnx import numpy_helper
 
@@ -125,13 +126,15 @@ def _matmul_nbits_weights(model_path: Path) -> list[torch.Tensor]:
         if node.op_type != "MatMulNBits":
             continue
         attr = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        n, k, block = attr["N"], attr["K"], attr["block_size"]
-        packed = init[node.input[1]].reshape(n, -1)  # [N, blocks * block / 2]: low nibble first
-        q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, -1, block).astype(np.float32)
+        n, k, block, bits = attr["N"], attr["K"], attr["block_size"], attr.get("bits", 4)
+
+        def unpack(packed):  # 4-bit: two codes per byte, low nibble first
+            return np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, -1) if bits == 4 else packed
+
+        q = unpack(init[node.input[1]].reshape(n, -1)).reshape(n, -1, block).astype(np.float32)
         scale = init[node.input[2]].reshape(n, -1, 1)
         zp = init[node.input[3]].reshape(n, -1) if len(node.input) > 3 and node.input[3] else None
-        zero = (np.stack([zp & 15, zp >> 4], axis=-1).reshape(n, -1)[:, :q.shape[1], None].astype(np.float32)
-                if zp is not None else 8.0)
+        zero = (unpack(zp)[:, :q.shape[1], None].astype(np.float32) if zp is not None else 2.0 ** (bits - 1))
         weights.append(torch.from_numpy(((q - zero) * scale).reshape(n, -1)[:, :k].copy()))
     return weights
 

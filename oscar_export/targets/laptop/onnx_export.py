@@ -10,8 +10,8 @@ Runtime without the native library. Each node becomes `oscar.OscarAttentionFunct
 function of standard ops (ops/onnx.py); standard ops cannot write their inputs, so it returns the updated
 buffers as outputs `layer{i}.k_sink.next` ... and the host feeds them back.
 
-Weights are 4-bit by default (ONNX Runtime's MatMulNBits quantizer) with fp16 embedding tables, float
-with float_weights.
+Weights are 4-bit by default (ONNX Runtime's MatMulNBits quantizer; the lm_head 8-bit) with fp16
+embedding tables, float with float_weights.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import onnxscript
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from ...config import OscarInputError
 from ...export.graph import OscarCausalLM
 from ...ops.onnx import make_fallback, register_schema, translate
 
@@ -76,20 +77,38 @@ def export_onnx(module: OscarCausalLM, directory: Path, max_context: int, max_ch
 
 
 def _quantize_weights(src: Path, dst: Path, block: int) -> None:
-    """4-bit MatMul weights (MatMulNBits, asymmetric, blocks of `block`) with ONNX Runtime's own quantizer."""
+    """MatMul weights with ONNX Runtime's own quantizer (MatMulNBits, asymmetric, blocks of `block`): 4-bit,
+    except the lm_head at 8 bits. A 4-bit head flips a small model's answers (SmolLM2-135M: "La France, ..."
+    for "Paris"), and llama.cpp's 4-bit files keep it at 8 bits too (Q8_0)."""
     from onnxruntime.quantization import matmul_nbits_quantizer
 
     log = logging.getLogger(matmul_nbits_quantizer.__name__)
     level = log.level
     log.setLevel(logging.WARNING)  # it logs every node at INFO
     try:
-        quantizer = matmul_nbits_quantizer.MatMulNBitsQuantizer(str(src), bits=4, block_size=block,
-                                                                is_symmetric=False)
+        model = onnx.load(str(src))
+        head = [_lm_head(model)]
+        body = matmul_nbits_quantizer.MatMulNBitsQuantizer(model, bits=4, block_size=block, is_symmetric=False,
+                                                           nodes_to_exclude=head)
+        body.process()
+        quantizer = matmul_nbits_quantizer.MatMulNBitsQuantizer(body.model.model, bits=8, block_size=block,
+                                                                is_symmetric=False, nodes_to_include=head)
         quantizer.process()
     finally:
         log.setLevel(level)
     _half_embeddings(quantizer.model.model)
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
+
+
+def _lm_head(model: onnx.ModelProto) -> str:
+    """Name of the MatMul that makes the logits: the one whose output reaches the graph's first output."""
+    producer = {out: node for node in model.graph.node for out in node.output}
+    node = producer.get(model.graph.output[0].name)
+    while node is not None and node.op_type != "MatMul":
+        node = producer.get(node.input[0])
+    if node is None:
+        raise OscarInputError("ONNX export: no MatMul produces the logits: expected an lm_head")
+    return node.name
 
 
 def _half_embeddings(model: onnx.ModelProto) -> None:
