@@ -205,38 +205,70 @@ def load_trace(path, manifest: dict) -> tuple[list[int], int, dict, dict]:
     return tensors["prompt"].tolist(), int(metadata["steps"]), trace, metadata
 
 
-def _codes_mismatches(got: dict, want: dict, config: dict) -> tuple[int, int]:
+def _codes_mismatches(got: dict, want: dict, config: dict, slots: int | None = None) -> tuple[int, int]:
+    """Mismatched codes over the first `slots` body positions of every cache (all of them when None)."""
     import numpy as np
 
     mismatched = total = 0
     for cache_name, reference in want.items():
         bits = config[f"{cache_name.split('.')[1][0]}_bits"]
-        a = unpack_codes(torch.from_numpy(np.ascontiguousarray(got[cache_name])), bits)
-        b = unpack_codes(torch.from_numpy(np.ascontiguousarray(reference)), bits)
+        a = unpack_codes(torch.from_numpy(np.ascontiguousarray(got[cache_name][:, :slots])), bits)
+        b = unpack_codes(torch.from_numpy(np.ascontiguousarray(reference[:, :slots])), bits)
         mismatched += int((a != b).sum())
         total += a.numel()
     return mismatched, total
 
 
-def compare_artifact_traces(got: dict, reference: dict, config: dict, limits: dict = ARTIFACT_THRESHOLDS) -> dict:
-    """A runtime's trace against the reference: tokens, logits and codes. A runtime that gives tokens only (the
+def _divergence(got: dict, reference: dict, rel_limit: float) -> dict:
+    """Where the greedy tokens first differ, and whether that step is a near tie in the reference: its top token
+    leads the runtime's by at most 2 * rel_limit * ||logits||, a gap any runtime within the logits limit could
+    close. After a divergence the two runs read different tokens, so nothing later is comparable."""
+    import numpy as np
+
+    pairs = list(zip(got["tokens"], reference["tokens"]))
+    step = next((i for i, (g, w) in enumerate(pairs) if g is not None and g != w), None)
+    if step is None:
+        return {"tokens_match": len(got["tokens"]) == len(reference["tokens"]), "diverged_at": None, "near_tie": False,
+                "tie_margin": None}
+    logits = reference["logits"][step]
+    margin = float(logits[reference["tokens"][step]] - logits[got["tokens"][step]])
+    return {"tokens_match": False, "diverged_at": step, "tie_margin": margin,
+            # abs: in a doctored or foreign trace the reference token need not be its own logits' argmax
+            "near_tie": abs(margin) <= 2 * rel_limit * float(np.linalg.norm(logits))}
+
+
+def compare_artifact_traces(got: dict, reference: dict, config: dict, prompt_tokens: int,
+                            limits: dict = ARTIFACT_THRESHOLDS) -> dict:
+    """A runtime's trace against the reference: tokens, logits and codes. The greedy tokens must match, or part at
+    a near tie (_divergence); logits and codes are compared up to that step. A runtime that gives tokens only (the
     stock C++ runner) is held to its tokens, where an id it could not recover from its text counts as equal."""
     import numpy as np
 
+    row = {"tokens": got["tokens"], **_divergence(got, reference, limits["logits_max_rel_error"])}
+    tokens_ok = row["tokens_match"] or row["near_tie"]
     if got["logits"] is None:
-        same = len(got["tokens"]) == len(reference["tokens"]) and all(
-            g is None or g == w for g, w in zip(got["tokens"], reference["tokens"]))
-        return {"tokens_match": same, "tokens": got["tokens"], "logits_max_abs_error": None,
-                "logits_max_rel_error": None, "codes_mismatched": None, "codes_mismatch_fraction": None, "ok": same}
-    pairs = list(zip(got["logits"], reference["logits"]))
-    abs_err = max(float(np.abs(a - b).max()) for a, b in pairs)
-    rel_err = max(float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)) for a, b in pairs)
-    mismatched, total = _codes_mismatches(got["codes"], reference["codes"], config)
-    row = {"tokens_match": got["tokens"] == reference["tokens"], "tokens": got["tokens"],
-           "logits_max_abs_error": abs_err, "logits_max_rel_error": rel_err, "codes_mismatched": mismatched,
-           "codes_mismatch_fraction": mismatched / max(total, 1)}
-    row["ok"] = row["tokens_match"] and all(row[key] <= limit for key, limit in limits.items())
+        return {**row, "logits_max_abs_error": None, "logits_max_rel_error": None, "codes_mismatched": None,
+                "codes_mismatch_fraction": None, "ok": tokens_ok}
+    upto = None if row["diverged_at"] is None else row["diverged_at"] + 1
+    pairs = list(zip(got["logits"][:upto], reference["logits"][:upto]))
+    # Body slot j holds position sink + j; positions from prompt + divergence on hold different tokens.
+    slots = None if upto is None else max(prompt_tokens + row["diverged_at"] - config["sink"], 0)
+    mismatched, total = _codes_mismatches(got["codes"], reference["codes"], config, slots)
+    row.update({
+        "logits_max_abs_error": max(float(np.abs(a - b).max()) for a, b in pairs),
+        "logits_max_rel_error": max(float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)) for a, b in pairs),
+        "codes_mismatched": mismatched, "codes_mismatch_fraction": mismatched / max(total, 1)})
+    row["ok"] = tokens_ok and all(row[key] <= limit for key, limit in limits.items())
     return row
+
+
+def tokens_verdict(row: dict) -> str:
+    """The tokens column of a parity table."""
+    if row["tokens_match"]:
+        return "match"
+    if row["near_tie"]:
+        return f"near tie at step {row['diverged_at']}"
+    return "DIFFER" if row["diverged_at"] is None else f"DIFFER at step {row['diverged_at']}"
 
 
 def run_artifact_parity(directory, ids: list[int], steps: int, against=None) -> dict:
@@ -278,7 +310,8 @@ def run_artifact_parity(directory, ids: list[int], steps: int, against=None) -> 
         if "skipped" in got:  # this prompt cannot be given to this runtime
             report["unavailable"][name] = got["skipped"]
             continue
-        report["runtimes"][name] = {"how": how, **compare_artifact_traces(got, reference, manifest["config"], limits)}
+        report["runtimes"][name] = {"how": how, **compare_artifact_traces(got, reference, manifest["config"], len(ids),
+                                                                          limits)}
     report["ok"] = all(row["ok"] for row in report["runtimes"].values())
     return report
 
@@ -324,7 +357,7 @@ def artifact_parity_command(args, out) -> int:
             codes = "n/a" if r["codes_mismatched"] is None else \
                 f"{r['codes_mismatch_fraction']:.2e} ({r['codes_mismatched']})"
             table.add_row(f"{name} ({r['how']})", codes, number(r["logits_max_abs_error"]),
-                          number(r["logits_max_rel_error"]), "match" if r["tokens_match"] else "DIFFER",
+                          number(r["logits_max_rel_error"]), tokens_verdict(r),
                           "ok" if r["ok"] else "FAIL")
         out.print(table)
         for name, why in report["unavailable"].items():

@@ -2,10 +2,19 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import torch
 
 from oscar_export.config import OscarConfig
-from oscar_export.parity import available_runtimes, compare_ops, generate_trace, replay_trace, run_parity
+from oscar_export.parity import (
+    available_runtimes,
+    compare_artifact_traces,
+    compare_ops,
+    generate_trace,
+    replay_trace,
+    run_parity,
+    tokens_verdict,
+)
 from oscar_export.hf_cache import patch_model_for_kv_quant
 from tiny_models import tiny_model
 
@@ -47,3 +56,37 @@ def test_parity_command_json():
     for name in ("reference", "triton"):
         row = report["runtimes"][name]
         assert row["tokens_match"] and row["codes_mismatch_fraction"] == 0 and row["max_rel_error"] < 1e-3
+
+
+def artifact_trace(tokens, logits, codes):
+    return {"tokens": tokens, "logits": [np.asarray(x, np.float32) for x in logits], "codes": {"layer0.k_codes": codes}}
+
+
+def test_artifact_traces_part_only_at_a_near_tie():
+    config = {"k_bits": 2, "v_bits": 2, "sink": 4}
+    codes = np.arange(2 * 10 * 4, dtype=np.uint8).reshape(2, 10, 4)  # 10 body slots: positions 4..13
+    ref = artifact_trace([3, 1, 2], [[0, 0, 1, 9.0], [0, 5.0, 4.99, 0], [0, 0, 7.0, 0]], codes)
+    same = compare_artifact_traces(ref, ref, config, prompt_tokens=8)
+    assert same["ok"] and same["tokens_match"] and tokens_verdict(same) == "match" and same["codes_mismatched"] == 0
+
+    # Step 1 parts at a near tie (5.0 against 4.99); what follows reads other tokens and is not compared.
+    later = codes.copy()
+    later[:, 5:] ^= 0xFF  # body slots 5.. hold positions 9.., after the prompt's 8 tokens and the first step
+    tie = artifact_trace([3, 2, 0], [[0, 0, 1, 9.001], [0, 4.995, 4.996, 0], [9, 0, 0, 0]], later)
+    row = compare_artifact_traces(tie, ref, config, prompt_tokens=8)
+    assert row["ok"] and not row["tokens_match"] and row["near_tie"] and row["diverged_at"] == 1
+    assert tokens_verdict(row) == "near tie at step 1" and row["codes_mismatched"] == 0
+    assert row["logits_max_abs_error"] < 0.01  # step 2's logits are not compared
+
+    # The same parting where the reference was sure is a failure, and so is a code that differs before it.
+    sure = artifact_trace([3, 0, 0], tie["logits"], later)
+    assert not compare_artifact_traces(sure, ref, config, prompt_tokens=8)["ok"]
+    early = codes.copy()
+    early[0, 2, 0] ^= 1
+    row = compare_artifact_traces(artifact_trace([3, 2, 0], tie["logits"], early), ref, config, prompt_tokens=8)
+    assert not row["ok"] and row["codes_mismatched"] == 1
+
+    # Tokens only (the stock runner): the same rule, from the reference's logits.
+    runner = {"tokens": [3, 2, 0], "logits": None, "codes": None}
+    assert compare_artifact_traces(runner, ref, config, prompt_tokens=8)["ok"]
+    assert not compare_artifact_traces({**runner, "tokens": [3, 0, 0]}, ref, config, prompt_tokens=8)["ok"]

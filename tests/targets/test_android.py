@@ -236,8 +236,9 @@ def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, capsys):
     pybind, runner = report["runtimes"]["executorch"], report["runtimes"]["stock-runner"]
     # 8-bit dynamic activations round differently in XNNPACK and in torchao's eager kernels: the limit says so.
     assert report["thresholds"]["codes_mismatch_fraction"] == 5e-3
-    assert pybind["tokens_match"] and pybind["codes_mismatch_fraction"] <= 5e-3
-    assert runner["tokens_match"] and runner["logits_max_rel_error"] is None
+    # Greedy tokens match, or part where the reference's top two logits are closer than the logits limit allows.
+    assert (pybind["tokens_match"] or pybind["near_tie"]) and pybind["codes_mismatch_fraction"] <= 5e-3
+    assert (runner["tokens_match"] or runner["near_tie"]) and runner["logits_max_rel_error"] is None
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
