@@ -10,8 +10,8 @@ Runtime without the native library. Each node becomes `oscar.OscarAttentionFunct
 function of standard ops (ops/onnx.py); standard ops cannot write their inputs, so it returns the updated
 buffers as outputs `layer{i}.k_sink.next` ... and the host feeds them back.
 
-Weights are 4-bit by default (ONNX Runtime's MatMulNBits quantizer; the lm_head 8-bit) with fp16
-embedding tables, float with float_weights.
+Weights are 4-bit by default (ONNX Runtime's MatMulNBits quantizer; the lm_head 8-bit; activations
+quantized to int8 per block on the fly) with fp16 embedding tables, float with float_weights.
 """
 
 from __future__ import annotations
@@ -76,9 +76,14 @@ def export_onnx(module: OscarCausalLM, directory: Path, max_context: int, max_ch
     return [model_path, directory / DATA_FILE, directory / FALLBACK_FILE]
 
 
+# MatMulNBits computes with activations quantized to int8 per block (MLAS CompInt8), as llama.cpp's q4 x q8 dots
+# do: on SmolLM2-135M, 2 threads, decode runs at 168 tokens/s against 9 with fp32 activations (accuracy level 0).
+ACCURACY_LEVEL = 4
+
+
 def _quantize_weights(src: Path, dst: Path, block: int) -> None:
-    """MatMul weights with ONNX Runtime's own quantizer (MatMulNBits, asymmetric, blocks of `block`): 4-bit,
-    except the lm_head at 8 bits. A 4-bit head flips a small model's answers (SmolLM2-135M: "La France, ..."
+    """MatMul weights with ONNX Runtime's own quantizer (MatMulNBits, asymmetric, blocks of `block`, int8
+    activations): 4-bit, except the lm_head at 8 bits. A 4-bit head flips a small model's answers (SmolLM2-135M: "La France, ..."
     for "Paris"), and llama.cpp's 4-bit files keep it at 8 bits too (Q8_0)."""
     from onnxruntime.quantization import matmul_nbits_quantizer
 
@@ -89,10 +94,11 @@ def _quantize_weights(src: Path, dst: Path, block: int) -> None:
         model = onnx.load(str(src))
         head = [_lm_head(model)]
         body = matmul_nbits_quantizer.MatMulNBitsQuantizer(model, bits=4, block_size=block, is_symmetric=False,
-                                                           nodes_to_exclude=head)
+                                                           accuracy_level=ACCURACY_LEVEL, nodes_to_exclude=head)
         body.process()
         quantizer = matmul_nbits_quantizer.MatMulNBitsQuantizer(body.model.model, bits=8, block_size=block,
-                                                                is_symmetric=False, nodes_to_include=head)
+                                                                is_symmetric=False, accuracy_level=ACCURACY_LEVEL,
+                                                                nodes_to_include=head)
         quantizer.process()
     finally:
         log.setLevel(level)
