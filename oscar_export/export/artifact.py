@@ -131,6 +131,7 @@ def staged(out: Path):
     temp.mkdir()
     try:
         yield temp
+        _readable_by_all(temp)
         if out.exists():
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             os.replace(out, old)
@@ -140,6 +141,16 @@ def staged(out: Path):
             os.replace(temp, out)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _readable_by_all(directory: Path) -> None:
+    """Files as a plain write makes them (0644 under the usual umask): some writers (safetensors, ONNX's
+    external data) create 0600 files, which an app bundle or another user could not read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in [directory, *directory.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod((0o755 if path.is_dir() or os.access(path, os.X_OK) else 0o644) & ~umask)
 
 
 def write_manifest(directory: Path, manifest: dict) -> None:

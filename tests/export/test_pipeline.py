@@ -50,3 +50,26 @@ def test_chat_needs_a_template_and_excludes_prompt(artifacts, capsys):
     with pytest.raises(SystemExit) as exit:
         main(["run", "--artifact", str(artifacts / "plain"), "--chat", QUESTION, "--prompt", "KING."])
     assert exit.value.code == 2 and "not allowed with" in capsys.readouterr().err
+
+
+def test_artifact_files_are_readable_by_all(tmp_path):
+    """Writers such as safetensors create 0600 files; an artifact's files must be readable by an app bundle or
+    another user (as the umask allows), and executables stay executable."""
+    import os
+
+    from oscar_export.export.artifact import staged
+
+    umask = os.umask(0o022)
+    try:
+        with staged(tmp_path / "art") as temp:
+            (temp / "weights.bin").write_bytes(b"w")
+            (temp / "weights.bin").chmod(0o600)
+            (temp / "sub").mkdir(mode=0o700)
+            (temp / "sub" / "lib.so").write_bytes(b"x")
+            (temp / "sub" / "lib.so").chmod(0o700)
+    finally:
+        os.umask(umask)
+    art = tmp_path / "art"
+    assert (art / "weights.bin").stat().st_mode & 0o777 == 0o644
+    assert (art / "sub").stat().st_mode & 0o777 == 0o755
+    assert (art / "sub" / "lib.so").stat().st_mode & 0o777 == 0o755
