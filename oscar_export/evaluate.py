@@ -195,15 +195,22 @@ class KiviCache:
         self.quantized_to = [config.sink] * layers  # positions sink..quantized_to-1 are quantized
         self.length = [0] * layers
 
+    def _quantize_blocks(self, k: torch.Tensor, v: torch.Tensor):
+        """Whole blocks k, v [Hkv, blocks * G, D] fp32 -> (dequantized K, dequantized V, K's and V's Quantized):
+        K per channel within each block, V per token."""
+        cfg, g = self.config, self.group
+        heads, d = k.shape[0], k.shape[2]
+        blocks = k.reshape(heads, -1, g, d).transpose(-1, -2)  # [Hkv, blocks, D, G]: one group per channel
+        qk = quantize(blocks, cfg.k_bits, g, cfg.k_clip, None, cfg.scale_dtype)
+        qv = quantize(v, cfg.v_bits, cfg.cluster_dim, cfg.v_clip, None, cfg.scale_dtype)
+        k_out = dequantize(*qk, cfg.k_bits, g).transpose(-1, -2).reshape(heads, -1, d)
+        return k_out, dequantize(*qv, cfg.v_bits, cfg.cluster_dim), qk, qv
+
     def _quantize_block(self, layer: int, p0: int) -> None:
-        cfg, p1 = self.config, p0 + self.group
-        k = self.window["k"][layer, :, p0:p1].to(torch.float32)  # [Hkv, G, D]
-        qk = quantize(k.transpose(-1, -2), cfg.k_bits, self.group, cfg.k_clip, None, cfg.scale_dtype)  # per channel
-        self.body["k"][layer, :, p0:p1] = dequantize(*qk, cfg.k_bits, self.group).transpose(-1, -2)
-        v = self.window["v"][layer, :, p0:p1].to(torch.float32)
-        qv = quantize(v, cfg.v_bits, cfg.cluster_dim, cfg.v_clip, None, cfg.scale_dtype)  # per token
-        self.body["v"][layer, :, p0:p1] = dequantize(*qv, cfg.v_bits, cfg.cluster_dim)
-        self.blocks["k"][layer].append(qk)
+        p1 = p0 + self.group
+        k, v = (self.window[kind][layer, :, p0:p1].to(torch.float32) for kind in ("k", "v"))
+        self.body["k"][layer, :, p0:p1], self.body["v"][layer, :, p0:p1], qk, qv = self._quantize_blocks(k, v)
+        self.blocks["k"][layer].append(Quantized(*(t.squeeze(1) for t in qk)))
         self.blocks["v"][layer].append(qv)
 
     def stored(self, kind: str, layer: int) -> torch.Tensor:
@@ -239,17 +246,13 @@ class KiviCache:
     def sequence(self, layer: int, q, k, v, first: int) -> SequenceKV:
         """Every whole block of the sequence quantized as _quantize_block does it, all blocks at once."""
         _check_chunk(self, layer, q, k, v)
-        cfg, g, s = self.config, self.group, self.config.sink
+        g, s = self.group, self.config.sink
         window = {"k": k.to(WINDOW_DTYPE).float(), "v": v.to(WINDOW_DTYPE).float()}
         body = {kind: torch.zeros_like(x) for kind, x in window.items()}
         end = s + max(k.shape[1] - s, 0) // g * g
         if end > s:
-            heads, d = k.shape[0], k.shape[2]
-            blocks = window["k"][:, s:end].reshape(heads, -1, g, d).transpose(-1, -2)  # per channel per block
-            qk = quantize(blocks, cfg.k_bits, g, cfg.k_clip, None, cfg.scale_dtype)
-            body["k"][:, s:end] = dequantize(*qk, cfg.k_bits, g).transpose(-1, -2).reshape(heads, -1, d)
-            qv = quantize(window["v"][:, s:end], cfg.v_bits, cfg.cluster_dim, cfg.v_clip, None, cfg.scale_dtype)
-            body["v"][:, s:end] = dequantize(*qv, cfg.v_bits, cfg.cluster_dim)
+            body["k"][:, s:end], body["v"][:, s:end], _, _ = self._quantize_blocks(window["k"][:, s:end],
+                                                                                  window["v"][:, s:end])
         return SequenceKV(q.float(), window, body, s)
 
     @property
