@@ -304,8 +304,8 @@ def bench_context(ctx: int, gen: torch.Generator, copy_bw: float, tuned: tuple) 
         "fp16_triton": (oscar_args(layer, fp16_body=True), oscar_bytes(layer, fp16_body=True)),
     }
     for name, (args, nbytes) in variants.items():
-        fn = graphed(lambda a=args: K.decode_attention(layer["q"], block_n=block_n, num_warps=warps,
-                                                       num_splits=res["num_splits"], **a))
+        fn = graphed(lambda a=args, q=layer["q"]: K.decode_attention(q, block_n=block_n, num_warps=warps,
+                                                                     num_splits=res["num_splits"], **a))
         us = time_us(fn)
         res[name] = {"us": us, "bytes": nbytes, "bandwidth_GBps": nbytes / us / 1e3,
                      "fraction_of_copy_bandwidth": nbytes / us / 1e3 / copy_bw}

@@ -70,6 +70,11 @@ def bench_targets() -> dict:
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..targets import BenchRequest
 
+    if args.artifact is not None:
+        return _bench_artifact(args)
+    for flag, value in (("--gguf", args.gguf), ("--profile", args.profile)):
+        if value:
+            raise OscarInputError(f"bench {flag} measures a shipped artifact: expected --artifact DIR with it")
     runtimes = bench_targets()
     if args.runtime is None:  # the first runtime that measures this and can run here
         usable = [r for r, t in runtimes.items() if args.what in t.bench_kinds and t.missing() is None]
@@ -81,13 +86,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     missing = target.missing()
     if missing:
         raise OscarInputError(f"bench --runtime {args.runtime}: {missing}")
-    request = BenchRequest(contexts(args.context), args.model, config_from_args(args), args.threads or None,
-                           args.steps)
+    request = BenchRequest(contexts(args.context or "4096,32768"), args.model, config_from_args(args),
+                           args.threads or None, args.steps, args.float_weights)
     report = target.bench(args.what, request)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         target.print_bench(args.what, request, report)
+    return 0
+
+
+def _bench_artifact(args: argparse.Namespace) -> int:
+    from ..export.decode_bench import bench_artifact_decode, print_artifact_decode
+    from ..export.artifact import load_manifest
+
+    if args.what != "decode":
+        raise OscarInputError(f"bench {args.what} --artifact: expected 'bench decode' (an artifact's decode speed)")
+    if args.context is None:  # a quarter of the artifact's context, and all of it
+        top = load_manifest(args.artifact)["max_context"]
+        args.context = f"{top // 4},{top}"
+    report = bench_artifact_decode(args.artifact, contexts(args.context), args.steps, args.threads or None,
+                                   args.repeats, args.gguf, args.runtime, args.profile)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_artifact_decode(report)
     return 0
 
 
@@ -123,7 +146,23 @@ def add_target_commands(sub) -> None:
                    help="runtime whose kernels and baselines are timed (default: the first installed one that "
                         "measures WHAT: " + ", ".join(f"{r} ({'/'.join(t.bench_kinds)})" for r, t in runtimes.items())
                         + ")")
-    p.add_argument("--context", default="4096,32768", help="comma-separated contexts (default %(default)s)")
+    p.add_argument("--context", help="comma-separated contexts (default 4096,32768; with --artifact a quarter "
+                                      "of its context and all of it)")
+    p.add_argument("--artifact", type=Path,
+                   help="decode: time this exported artifact as shipped (its weights, its target's runtime; "
+                        "--runtime picks another of them), prefilling a real prompt, instead of the float-weight "
+                        "graphs built from --model")
+    p.add_argument("--gguf", type=Path, help="with --artifact: also time this GGUF of the same model in llama.cpp "
+                                             "with f16, q8_0 and q4_0 K/V caches (needs llama-cpp-python)")
+    p.add_argument("--repeats", type=positive_int, default=3,
+                   help="with --artifact: timed turns of --steps per contestant, median reported (default "
+                        "%(default)s)")
+    p.add_argument("--float-weights", action="store_true",
+                   help="decode with --model: float32 weights in every variant (default: the laptop artifact's "
+                        "4-bit MatMulNBits weights, the fp32-cache graphs quantized by the same tool)")
+    p.add_argument("--profile", action="store_true",
+                   help="with --artifact: then profile the artifact's decode step per op type (laptop: ONNX "
+                        "Runtime's profiler)")
     p.add_argument("--model", default="bundled", help="model whose attention shape is used: 'bundled', a preset "
                                                       "(llama-3-8b, ...), a local checkpoint or a .gguf file")
     p.add_argument("--threads", type=thread_count, help="threads for both (default or 0: every core)")

@@ -108,6 +108,12 @@ class Target:
         """Limits of parity --artifact that this artifact's weights loosen (parity.ARTIFACT_THRESHOLDS otherwise)."""
         return {}
 
+    def decode_profile(self, directory: Path, manifest: dict, runtime: str, ids: list[int], steps: int,
+                       threads: int) -> dict | None:
+        """Where a decode step goes on `runtime` after prefilling `ids`: {"step_wall_ms", "ops": {op type:
+        {"ms", "nodes_per_step"}}, "other_ms": {what: ms}}; None where no profiler is wired for it."""
+        return None
+
     def unavailable_runtimes(self) -> dict[str, str]:
         """Runtimes of this target that cannot run here: name -> why."""
         return {}
@@ -137,6 +143,7 @@ class BenchRequest:
     config: object
     threads: int | None
     steps: int
+    float_weights: bool = False  # decode: float32 weights in every variant instead of the target's own format
 
 
 _REGISTRY: dict[str, Target] = {}

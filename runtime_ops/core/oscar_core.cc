@@ -4,9 +4,12 @@
 #include "oscar_core.h"
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <sstream>
 #include <system_error>
 #include <thread>
@@ -280,11 +283,21 @@ struct Layer {
   }
 
   // Decode (T == 1): fp32 rows for the windows and the new token, fused kernels for the body.
-  void attend_fused(int64_t h, const BodyKernels& kernels, float* scratch) const {
-    float* m = scratch;
+  // The body rows (positions sink_end() .. tail_from() - 1) a decode step reads from the packed body.
+  int64_t sink_end() const { return std::min(S, n0); }
+  int64_t tail_from() const { return std::max(sink_end(), n0 - W); }  // first ring position (or the new token)
+  int64_t body_rows() const { return tail_from() - sink_end(); }
+  int64_t state_floats() const { return group * (2 + D); }
+
+  // One slice of a decode step (T == 1) for KV head h: the online softmax over body rows
+  // [row_from, row_to) and, with `windows`, over the sink, the ring and the new token, left in
+  // `state` (m [group], l [group], acc [group, D]) for finish() to merge with the other slices.
+  void attend_slice(int64_t h, int64_t row_from, int64_t row_to, bool windows, const BodyKernels& kernels,
+                    float* scratch, float* state) const {
+    float* m = state;
     float* l = m + group;
     float* acc = l + group;
-    float* qsum = acc + group * D;
+    float* qsum = scratch;
     float* kb = qsum + group * G;
     float* vb = kb + kBlock * D;
     float* s = vb + kBlock * D;  // group * kBodyBlock
@@ -318,21 +331,40 @@ struct Layer {
         }
       }
     };
-    const int64_t sink_end = std::min(S, n0);
-    const int64_t tail_from = std::max(sink_end, n0 - W);  // first ring position (or the new token)
-    dense(0, sink_end);
-    const BodyView kbody = body(kind[0], h), vbody = body(kind[1], h);
-    kernels.prepare(kbody, q, int(group), prepared);
-    for (int64_t r0 = 0; r0 < tail_from - sink_end; r0 += kBodyBlock) {
-      const int n = int(std::min<int64_t>(kBodyBlock, tail_from - sink_end - r0));
-      kernels.scores(kbody, r0, n, q, qsum, int(group), s, prepared);
-      for (int64_t hh = 0; hh < group; ++hh)
-        softmax_block(kernels, a.config.scaling, s + hh * n, n, m[hh], l[hh], acc + hh * D, D);
-      kernels.values(vbody, r0, n, s, int(group), acc, weights);
+    if (windows) dense(0, sink_end());
+    if (row_from < row_to) {
+      const BodyView kbody = body(kind[0], h), vbody = body(kind[1], h);
+      kernels.prepare(kbody, q, int(group), prepared);
+      for (int64_t r0 = row_from; r0 < row_to; r0 += kBodyBlock) {
+        const int n = int(std::min<int64_t>(kBodyBlock, row_to - r0));
+        kernels.scores(kbody, r0, n, q, qsum, int(group), s, prepared);
+        for (int64_t hh = 0; hh < group; ++hh)
+          softmax_block(kernels, a.config.scaling, s + hh * n, n, m[hh], l[hh], acc + hh * D, D);
+        kernels.values(vbody, r0, n, s, int(group), acc, weights);
+      }
     }
-    dense(tail_from, n0 + 1);
-    for (int64_t hh = 0; hh < group; ++hh)
-      for (int64_t i = 0; i < D; ++i) a.out[(h * group + hh) * D + i] = acc[hh * D + i] / l[hh];
+    if (windows) dense(tail_from(), n0 + 1);
+  }
+
+  // Merges the `slices` partial states of KV head h (slice 0 saw the windows, so every l > 0 there)
+  // and writes its query heads' outputs.
+  void finish(int64_t h, const float* states, int64_t slices) const {
+    for (int64_t hh = 0; hh < group; ++hh) {
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t s = 0; s < slices; ++s) m = std::max(m, states[s * state_floats() + hh]);
+      float* out = a.out + (h * group + hh) * D;
+      std::fill(out, out + D, 0.0f);
+      float l = 0.0f;
+      for (int64_t s = 0; s < slices; ++s) {
+        const float* st = states + s * state_floats();
+        if (st[group + hh] == 0.0f) continue;  // an empty slice
+        const float w = std::exp(st[hh] - m);
+        l += w * st[group + hh];
+        const float* acc = st + 2 * group + hh * D;
+        for (int64_t i = 0; i < D; ++i) out[i] += w * acc[i];
+      }
+      for (int64_t i = 0; i < D; ++i) out[i] /= l;
+    }
   }
 
   // The placement rule (format.md section 5) for KV head h; row is D floats of scratch.
@@ -362,9 +394,128 @@ struct Layer {
 
   int64_t scratch_floats() const {
     const int64_t rows = 2 * kBlock * D;
-    if (fused()) return group * (2 + D + 2 * G + kBodyBlock + kBodyBlock * G + kPreparedBytes / 4) + 8 + rows;
+    if (fused()) return group * (G + kBodyBlock + (kBodyBlock + 1) * G + kPreparedBytes / 4) + 8 + rows;
     return kBlock * group * (2 + D) + rows + kBlock;
   }
+};
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+constexpr int64_t kMinSliceRows = 512;  // body rows below which a decode slice costs more to hand out than it saves
+
+// This thread's attention scratch, grown on demand and kept: a decode step allocates nothing.
+std::vector<float>& thread_scratch(int64_t floats) {
+  thread_local std::vector<float> scratch;
+  if (int64_t(scratch.size()) < floats) scratch.resize(floats);
+  return scratch;
+}
+
+// The work of one call, in items: decode item i is slice i % slices of KV head i / slices; prefill item
+// h is KV head h, attended and appended (its rows are only its own).
+struct Job {
+  const Layer& layer;
+  const BodyKernels& kernels;
+  int64_t slices = 1, slice_rows = 0;
+  std::vector<float> states;  // decode: [kv_heads, slices, state_floats]
+  std::atomic<bool> failed{false};
+
+  static void run(void* data, size_t item) {
+    Job& job = *static_cast<Job*>(data);
+    const Layer& layer = job.layer;
+    try {
+      float* mem = thread_scratch(layer.scratch_floats() + layer.D).data();
+      if (!layer.fused()) {
+        layer.attend_dense(int64_t(item), job.kernels, mem);
+        layer.append(int64_t(item), mem + layer.scratch_floats());
+        return;
+      }
+      const int64_t h = int64_t(item) / job.slices, s = int64_t(item) % job.slices;
+      const int64_t from = s * job.slice_rows, to = std::min(layer.body_rows(), from + job.slice_rows);
+      layer.attend_slice(h, from, to, s == 0, job.kernels, mem,
+                         job.states.data() + (h * job.slices + s) * layer.state_floats());
+    } catch (const std::bad_alloc&) {
+      job.failed = true;
+    }
+  }
+};
+
+// Persistent workers (one per extra core), started at first use and kept for the process, so a
+// decode step pays a wake-up rather than a thread start per layer. One call runs at a time; a
+// caller that finds the workers busy runs its items alone. The caller always works too, and waits
+// only for workers that joined before it ran out of items.
+class WorkerPool {
+ public:
+  static WorkerPool& get() {
+    static WorkerPool* pool = new WorkerPool;  // never destroyed: workers may outlive static destructors
+    return *pool;
+  }
+
+  void run(void (*fn)(void*, size_t), size_t items, void* data, int64_t threads) {
+    std::unique_lock<std::mutex> turn(turn_mu_, std::try_to_lock);
+    if (turn.owns_lock()) start_workers();
+    if (!turn.owns_lock() || workers_ == 0) {
+      for (size_t i = 0; i < items; ++i) fn(data, i);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      fn_ = fn, data_ = data, items_ = items, next_ = 0;
+      wanted_ = int(std::min<int64_t>(threads - 1, workers_)), joined_ = 0, closed_ = false;
+      ++generation_;
+    }
+    wake_.notify_all();
+    drain();
+    std::unique_lock<std::mutex> lock(mu_);
+    closed_ = true;
+    done_.wait(lock, [&] { return active_ == 0; });
+  }
+
+ private:
+  void start_workers() {
+    if (started_) return;
+    started_ = true;
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned i = 1; i < cores; ++i) {
+      try {
+        std::thread(&WorkerPool::loop, this).detach();
+        ++workers_;
+      } catch (const std::system_error&) {
+        break;  // fewer workers: the caller does the rest
+      }
+    }
+  }
+
+  void drain() {
+    for (size_t i; (i = next_.fetch_add(1)) < items_;) fn_(data_, i);
+  }
+
+  void loop() {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      wake_.wait(lock, [&] { return generation_ != seen; });
+      seen = generation_;
+      if (closed_ || joined_ >= wanted_) continue;
+      ++joined_, ++active_;
+      lock.unlock();
+      drain();
+      lock.lock();
+      if (--active_ == 0) done_.notify_all();
+    }
+  }
+
+  std::mutex turn_mu_;  // held by the caller whose items run now
+  bool started_ = false;
+  int workers_ = 0;
+  std::mutex mu_;
+  std::condition_variable wake_, done_;
+  uint64_t generation_ = 0;
+  void (*fn_)(void*, size_t) = nullptr;
+  void* data_ = nullptr;
+  size_t items_ = 0;
+  std::atomic<size_t> next_{0};
+  int wanted_ = 0, joined_ = 0, active_ = 0;
+  bool closed_ = true;
 };
 
 Status check_finite_f16(const char* name, const uint16_t* x, int64_t count) {
@@ -536,42 +687,45 @@ Status oscar_attention(const AttentionArgs& a) {
   const Kernel kind = a.config.kernel;
   const BodyKernels& kernels =
       kind == Kernel::kDense || kind == Kernel::kScalar || !simd_available() ? kScalarKernels : simd_kernels();
+  // Threads: config.threads, or for 0 every core (or the runtime pool's), fewer when the call is too
+  // small to pay for handing out work (key rows x queries).
+  const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+  const bool runtime_pool = a.config.threads == 0 && a.parallel_for != nullptr;
   int64_t threads = a.config.threads;
-  if (threads == 0) {  // one per core, but a thread start (tens of microseconds) must pay for itself
-    const int64_t work = d.kv_heads * (a.length + d.tokens) * d.tokens;  // key rows x queries
-    threads = std::min<int64_t>(std::max(1u, std::thread::hardware_concurrency()), 1 + work / 8192);
-  }
-  threads = std::min(threads, d.kv_heads);
-  std::vector<std::vector<float>> scratch;
-  try {
-    scratch.assign(threads, std::vector<float>(layer.scratch_floats() + d.head_dim));
-  } catch (const std::bad_alloc&) {
-    return fail("out of memory for ", threads, " x ", layer.scratch_floats(), " floats of attention scratch");
-  }
-  // Heads are independent: each thread attends over its KV heads, then appends to them.
-  auto work = [&](int64_t t) {
-    float* mem = scratch[t].data();
-    for (int64_t h = t; h < d.kv_heads; h += threads) {
-      if (layer.fused()) {
-        layer.attend_fused(h, kernels, mem);
-      } else {
-        layer.attend_dense(h, kernels, mem);
-      }
-      layer.append(h, mem + layer.scratch_floats());
-    }
-  };
-  std::vector<std::thread> pool;
-  int64_t started = 1;
-  for (; started < threads; ++started) {
+  if (threads == 0)
+    threads = std::min<int64_t>(runtime_pool && a.pool_threads > 0 ? a.pool_threads : cores,
+                                1 + d.kv_heads * (a.length + d.tokens) * d.tokens / 4096);
+  // Decode: each KV head's body in slices of whole kBodyBlocks (at least kMinSliceRows rows), about four
+  // items per thread so uneven heads balance. Prefill: one item per KV head.
+  Job job{layer, kernels};
+  if (layer.fused()) {
+    const int64_t rows = layer.body_rows();
+    int64_t slices = threads == 1 ? 1 : std::min(ceil_div(rows, kMinSliceRows), ceil_div(4 * threads, d.kv_heads));
+    slices = std::max<int64_t>(1, slices);
+    job.slice_rows = std::max<int64_t>(kBodyBlock, ceil_div(ceil_div(rows, slices), kBodyBlock) * kBodyBlock);
+    job.slices = std::max<int64_t>(1, ceil_div(rows, job.slice_rows));
     try {
-      pool.emplace_back(work, started);
-    } catch (const std::system_error&) {
-      break;  // no more threads: this one does the rest
+      job.states.assign(d.kv_heads * job.slices * layer.state_floats(), 0.0f);
+    } catch (const std::bad_alloc&) {
+      return fail("out of memory for ", d.kv_heads * job.slices, " partial attention states");
     }
   }
-  for (int64_t t = started; t < threads; ++t) work(t);
-  work(0);
-  for (std::thread& th : pool) th.join();
+  const size_t items = size_t(d.kv_heads * job.slices);
+  if (threads <= 1) {
+    for (size_t i = 0; i < items; ++i) Job::run(&job, i);
+  } else if (runtime_pool) {
+    a.parallel_for(a.pool, Job::run, items, &job);
+  } else {
+    WorkerPool::get().run(Job::run, items, &job, threads);
+  }
+  if (job.failed) return fail("out of memory for ", layer.scratch_floats(), " floats of attention scratch");
+  if (layer.fused()) {  // the ring slot the new token takes is read above: append only after every slice
+    std::vector<float>& row = thread_scratch(d.head_dim);
+    for (int64_t h = 0; h < d.kv_heads; ++h) {
+      layer.finish(h, job.states.data() + h * job.slices * layer.state_floats(), job.slices);
+      layer.append(h, row.data());
+    }
+  }
   return {};
 }
 

@@ -39,7 +39,10 @@ struct AttentionConfig {
   int64_t sink = 64, recent = 256;  // S and W of the format
   float k_clip = 1.0f, v_clip = 1.0f;
   float scaling = 0.0f;  // score multiplier, usually head_dim^-0.5
-  int32_t threads = 1;   // split over KV heads; 0 = one per core (fewer for small calls)
+  // Decode splits the body of every KV head into slices run in parallel, prefill runs KV heads in
+  // parallel. 0: the adapter's runtime pool when it gives one (AttentionArgs::parallel_for), else one
+  // thread per core from the core's persistent workers (fewer for small calls); N: at most N threads.
+  int32_t threads = 1;
   Kernel kernel = Kernel::kAuto;
 };
 
@@ -71,6 +74,11 @@ struct AttentionArgs {
   KindCache k, v;
   int64_t length = 0;  // tokens cached before this chunk
   float* out = nullptr;  // [Hq, T, D] fp32, rotated (V) space
+  // The runtime's own thread pool, used when config.threads == 0: runs fn(data, i) for every
+  // i < items and returns when all are done (ONNX Runtime: KernelContext_ParallelFor).
+  void (*parallel_for)(void* pool, void (*fn)(void*, size_t), size_t items, void* data) = nullptr;
+  void* pool = nullptr;
+  int32_t pool_threads = 0;  // how many threads parallel_for runs on (0: unknown, taken as one per core)
 };
 
 // Element counts of the op's buffers, in the ONNX op's input order, then `out`.

@@ -72,6 +72,11 @@ std::optional<T> attribute(const OrtApi& api, const OrtKernelInfo* info, const c
   return value;
 }
 
+// The core's work items on ONNX Runtime's intra-op pool: the session's threads, no others beside them.
+void ort_parallel_for(void* context, void (*fn)(void*, size_t), size_t items, void* data) {
+  static_cast<Ort::KernelContext*>(context)->ParallelFor(fn, items, 0, data);
+}
+
 struct Kernel {
   oscar::AttentionConfig config;
   std::optional<float> scaling;  // default: head_dim^-0.5
@@ -130,6 +135,7 @@ struct Kernel {
            in[14].GetTensorData<float>()};
     a.length = in[15].GetTensorData<int64_t>()[0];
     a.out = ctx.GetOutput(0, {a.dims.q_heads, a.dims.tokens, a.dims.head_dim}).GetTensorMutableData<float>();
+    a.parallel_for = ort_parallel_for, a.pool = &ctx;
     if (oscar::Status st = oscar::oscar_attention(a); !st.ok()) return error(st.error);
     return nullptr;
   }

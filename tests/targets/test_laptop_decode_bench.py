@@ -11,7 +11,8 @@ from oscar_export.cache import cache_bytes  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
 from oscar_export.export.graph import OscarCausalLM  # noqa: E402
-from oscar_export.targets.laptop.ort_decode_bench import Fp32Decoder, bench_decode, fill_oscar_cache, fp32_decoder  # noqa: E402
+from oscar_export.targets.laptop.ort_decode_bench import (Fp32Decoder, bench_decode, fill_oscar_cache, fp32_decoder,  # noqa: E402
+                                                         save_decoder)
 from oscar_export.targets.laptop.ort_runner import OrtLM  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
 from oscar_export.native import ort_op_buildable  # noqa: E402
@@ -29,7 +30,7 @@ def report(tmp_path_factory):
     if not ort_op_buildable():
         pytest.skip("liboscar_ort.so needs cmake, g++ and ORT headers")
     work = tmp_path_factory.mktemp("decode")
-    return bench_decode([CONTEXT], steps=STEPS, threads=1, work_dir=work), work
+    return bench_decode([CONTEXT], steps=STEPS, threads=1, work_dir=work, float_weights=True), work
 
 
 def test_report_shape_and_consistency(report, bundled):
@@ -97,3 +98,25 @@ def test_context_too_small_is_a_one_line_error(capsys):
     assert main(["bench", "decode", "--runtime", "onnxruntime", "--context", "300", "--steps", "8"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--context 300" in err and "334" in err
+
+
+def test_quantized_fp32_decoder_has_the_artifacts_weight_format(bundled, tmp_path):
+    """The default bench: the fp32-cache graph's weights go through the laptop artifact's quantizer, so every
+    weight MatMul is a MatMulNBits with int8 activations, 4-bit but for the 8-bit lm_head; it still decodes."""
+    model, _ = bundled
+    save_decoder(fp32_decoder(model, shared=True), tmp_path / "q.onnx", float_weights=False)
+    graph = onnx.load(tmp_path / "q.onnx").graph
+    weights = {t.name for t in graph.initializer}
+    assert not [n for n in graph.node if n.op_type == "MatMul" and n.input[1] in weights]
+    bits = {}
+    for node in graph.node:
+        if node.op_type == "MatMulNBits":
+            attr = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert attr["accuracy_level"] == 4 and attr["block_size"] == 32
+            bits[node.output[0]] = attr["bits"]
+    layers = model.config.num_hidden_layers
+    assert len(bits) == 7 * layers + 1 and bits.pop("logits") == 8 and set(bits.values()) == {4}
+    decoder = Fp32Decoder(tmp_path / "q.onnx", threads=1)
+    heads, d = model.config.num_key_value_heads, model.config.head_dim
+    decoder.start([np.zeros((1, heads, 16, d), np.float32) for _ in range(2 * layers)], 0)
+    assert np.isfinite(decoder.step(5)).all()

@@ -65,6 +65,11 @@ class LaptopTarget(Target):
 
         return OrtLM(directory, runtime, threads, manifest["max_chunk"])
 
+    def decode_profile(self, directory, manifest, runtime, ids, steps, threads):
+        from .ort_profile import profile_decode
+
+        return profile_decode(directory, runtime, manifest["max_chunk"], ids, steps, threads)
+
     def artifact_module(self, directory, manifest):
         """The eager graph with the weights as the artifact stores them (4-bit ones dequantized, fp16 embeddings)."""
         from .onnx_export import MODEL_FILE
@@ -98,7 +103,8 @@ class LaptopTarget(Target):
         if what == "decode":
             from .ort_decode_bench import bench_decode
 
-            return bench_decode(request.contexts, request.steps, request.threads, request.model, request.config)
+            return bench_decode(request.contexts, request.steps, request.threads, request.model, request.config,
+                                float_weights=request.float_weights)
         from .ort_bench import bench_attention
 
         shape = model_shape(request.model)

@@ -87,7 +87,7 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
         feeds["length"] = np.array([context - 1], np.int64)
         attrs = dict(zip(ATTRIBUTES, (config.k_bits, config.v_bits, config.cluster_dim, config.sink, config.recent,
                                       config.k_clip, config.v_clip, scaling)))
-        node = helper.make_node(OP, list(INPUTS), ["out"], domain=DOMAIN, threads=threads, **attrs)
+        node = helper.make_node(OP, list(INPUTS), ["out"], domain=DOMAIN, **attrs)  # the session's pool
         out = np.empty((q_heads, 1, head_dim), np.float32)
         oscar_ms = _median_ms(_session(_model([node], feeds, "out"), threads, library), feeds, out)
 

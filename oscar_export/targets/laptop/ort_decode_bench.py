@@ -1,7 +1,9 @@
 """End-to-end decode tokens/s in ONNX Runtime: the laptop artifact (OSCAR cache, native op) against
 the same model with a standard fp32 KV cache.
 
-All variants hold the same float32 weights, so only the cache differs. OSCAR: the model.onnx that
+All variants hold the same weights, so only the cache differs: as the laptop artifact stores them
+(4-bit MatMulNBits, int8 activations, 8-bit lm_head; the fp32 graphs go through the same quantizer),
+or float32 with float_weights. OSCAR: the model.onnx that
 the laptop export writes, run by OrtLM (cache buffers bound once, appended in place by the op). fp32: a
 decode graph of standard ONNX ops built here from the same Hugging Face weights, in the layout ONNX
 Runtime decoders use: past K/V inputs [1, Hkv, past, D] and present outputs (the past with the new
@@ -30,10 +32,9 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ...codec import quantize
+from ...export.artifact import load_manifest
 from ...config import OscarConfig, OscarInputError
 from ...ops.attention import CACHE_NAMES
-from ...ops.onnx import DOMAIN, OP
-from .onnx_export import MODEL_FILE
 from .ort_runner import OrtLM
 
 WARMUP = 4  # untimed steps per variant before the timed ones
@@ -63,19 +64,14 @@ def fill_oscar_cache(cache: dict[str, np.ndarray], config: OscarConfig, length: 
                 cache[f"{layer}.{kind}_{part}"][:, :rows] = values.numpy()
 
 
-def oscar_decoder(directory: Path, model_name: str, context: int, config: OscarConfig, threads: int) -> OrtLM:
-    """Export the laptop artifact with float weights into `directory` and load it with the native op."""
+def oscar_decoder(directory: Path, model_name: str, context: int, config: OscarConfig, threads: int,
+                  float_weights: bool) -> OrtLM:
+    """Export the laptop artifact into `directory` and load it with the native op."""
     from ...export.pipeline import export_artifact
 
-    export_artifact("laptop", model_name, directory, "hadamard", context, float_weights=True, **config.to_dict())
-    # The op starts its own threads (attribute `threads`, 0 = one per core): pin it to the bench's count.
-    path = directory / MODEL_FILE
-    model = onnx.load(path, load_external_data=False)
-    for node in model.graph.node:
-        if node.domain == DOMAIN and node.op_type == OP:
-            node.attribute.append(helper.make_attribute("threads", threads))
-    onnx.save(model, path)
-    return OrtLM(directory, "onnxruntime", threads)
+    export_artifact("laptop", model_name, directory, "hadamard", context, float_weights=float_weights,
+                    **config.to_dict())
+    return OrtLM(directory, "onnxruntime", threads)  # the op runs on the session's intra-op threads
 
 
 class _Builder:
@@ -91,7 +87,8 @@ class _Builder:
 
     def op(self, op_type: str, *inputs: str, out: str | None = None, **attrs) -> str:
         out = out or f"{op_type.lower()}_{len(self.nodes)}"
-        self.nodes.append(helper.make_node(op_type, list(inputs), [out], **attrs))
+        # Named: the weight quantizer picks nodes (the lm_head) by name.
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
         return out
 
     def linear(self, x: str, layer: torch.nn.Linear, out: str | None = None) -> str:
@@ -154,7 +151,8 @@ def fp32_decoder(model, shared: bool = False) -> onnx.ModelProto:
             node = helper.make_node("GroupQueryAttention", [*flat, g.linear(x, attn.v_proj), f"past.{i}.key",
                                                             f"past.{i}.value", seqlens, total],
                                     [f"attention_{i}", f"present.{i}.key", f"present.{i}.value"],
-                                    domain="com.microsoft", num_heads=q_heads, kv_num_heads=kv_heads,
+                                    name=f"attention_{i}", domain="com.microsoft", num_heads=q_heads,
+                                    kv_num_heads=kv_heads,
                                     scale=float(attn.scaling))
             g.nodes.append(node)
             out = f"attention_{i}"
@@ -251,8 +249,18 @@ def _step_times(steppers: dict, token: int, steps: int) -> dict[str, list[float]
     return times
 
 
+def save_decoder(model: onnx.ModelProto, path: Path, float_weights: bool) -> None:
+    """An fp32-cache graph, its weights as given or as the laptop artifact stores them (4-bit MatMulNBits)."""
+    onnx.save(model, path, save_as_external_data=True, location=path.name + ".data")
+    if not float_weights:
+        from . import LaptopTarget
+        from .onnx_export import _quantize_weights
+
+        _quantize_weights(path, path, LaptopTarget.options.weight_block)
+
+
 def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_name: str = "bundled",
-                 config: OscarConfig | None = None, work_dir=None) -> dict:
+                 config: OscarConfig | None = None, work_dir=None, float_weights: bool = False) -> dict:
     """Decode tokens/s of the OSCAR artifact and of both fp32-cache graphs at each context, in one run.
 
     speedup compares with the concatenating fp32 graph, speedup_shared with the shared-buffer one.
@@ -277,12 +285,12 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
         work.mkdir(parents=True, exist_ok=True)
         fp32 = {}
         for name, file, shared in (("fp32", FP32_FILE, False), ("fp32_shared", SHARED_FILE, True)):
-            onnx.save(fp32_decoder(model, shared), work / file, save_as_external_data=True, location=file + ".data")
+            save_decoder(fp32_decoder(model, shared), work / file, float_weights)
             fp32[name] = Fp32Decoder(work / file, threads)
         results = []
         for context in contexts:
             length = context - WARMUP - steps - 1
-            oscar = oscar_decoder(work / f"oscar-{context}", model_name, context, config, threads)
+            oscar = oscar_decoder(work / f"oscar-{context}", model_name, context, config, threads, float_weights)
             fill_oscar_cache(oscar.cache, config, length, rng)
             oscar.length = length
             heads, _, head_dim = oscar.cache["layer0.k_sink"].shape
@@ -293,7 +301,7 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
             for buffer, rows in zip(full, past):
                 buffer[:, :, :length] = rows
             fp32["fp32_shared"].start(full, length)
-            times = _step_times({"oscar": lambda t: oscar.step([t]), **{n: d.step for n, d in fp32.items()}},
+            times = _step_times({"oscar": lambda t, lm=oscar: lm.step([t]), **{n: d.step for n, d in fp32.items()}},
                                 int(rng.integers(model.config.get_text_config().vocab_size)), steps)
             ms = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
             result = {"context": context}
@@ -305,8 +313,10 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
             result["oscar_cache_bytes"] = sum(a.nbytes for a in oscar.cache.values())
             result["fp32_cache_bytes"] = 2 * layers * heads * context * head_dim * 4
             results.append(result)
+            oscar_weights = load_manifest(work / f"oscar-{context}")["weights"]
             del oscar  # its session and buffers before the next, larger context
-    return {"results": results, "threads": threads, "steps": steps, "weights": WEIGHTS, "model": model_name,
+    weights = WEIGHTS if float_weights else f"{oscar_weights} in every variant"
+    return {"results": results, "threads": threads, "steps": steps, "weights": weights, "model": model_name,
             "config": config.to_dict(),
             "state": f"synthetic: random fp16 windows and codec-quantized random body rows (OSCAR), the same random "
                      f"fp32 past for both fp32 graphs; "

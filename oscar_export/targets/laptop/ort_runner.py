@@ -27,13 +27,15 @@ class OrtLM(GreedyLM):
     """One sequence through an exported model; `length` tokens are cached."""
 
     def __init__(self, directory, runtime: str = "onnxruntime", threads: int = 0, max_chunk: int = 512,
-                 library=None):
+                 library=None, profile_prefix: str | None = None):
         if runtime not in RUNTIMES:
             raise OscarInputError(f"runtime={runtime!r}: expected one of {RUNTIMES}")
         directory = Path(directory)
         self.native, self.max_chunk = runtime == "onnxruntime", max_chunk
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
+        if profile_prefix:  # ONNX Runtime's profiler (ort_profile.py reads it)
+            options.enable_profiling, options.profile_file_prefix = True, profile_prefix
         if self.native:
             if library is None:
                 library = directory / LIBRARY_FILE
