@@ -170,7 +170,7 @@ def fit_rotations(
     stream("query covariance", add_queries)
     stream("score-weighted value covariance", lambda layer, q, k, v: acc[layer].add_values(k[0], v[0]))
     return {"rotations": rotations_from(acc, per_head), "heldout": collect_qkv(model, heldout_ids[None]),
-            "kv_heads": acc[0].kv_heads, "head_dim": acc[0].head_dim, "layers": layers}
+            "kv_heads": acc[0].kv_heads, "head_dim": acc[0].head_dim, "layers": layers, "calibration_tokens": tokens}
 
 
 def fit_quantizer(fitted: dict, config: OscarConfig, lloyd_max: bool = False) -> dict:

@@ -81,9 +81,12 @@ def cache_dir() -> Path:
 
 
 def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int, heldout_tokens: int,
-                    per_head: bool = False, lloyd_max: bool = False, model=None, tokenizer=None):
-    """Calibrate and return (RotationSet, seconds); the metadata says how the rotations were made."""
-    from .calibrate import calibrate
+                    per_head: bool = False, lloyd_max: bool = False, model=None, tokenizer=None,
+                    budget: tuple[float, int] | None = None):
+    """Calibrate and return (RotationSet, seconds); the metadata says how the rotations were made.
+    budget: (bits per element, context): the format is chosen within it (tune.py) instead of `config`'s,
+    and the metadata carries it, so export and eval take it from the file."""
+    from .calibrate import fit_quantizer, fit_rotations
     from .models import load_model
     from .rotation_files import ZOO_OBJECTIVES, RotationSet
 
@@ -91,8 +94,16 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
     start = time.perf_counter()
     if model is None:
         model, tokenizer = load_model(model_name)
-    result = calibrate(model, tokenizer, text, config, tokens=tokens, heldout_tokens=heldout_tokens,
-                       per_head=per_head, lloyd_max=lloyd_max, text_name=f"calibration text {str(text_path)!r}")
+    fitted = fit_rotations(model, tokenizer, text, tokens, heldout_tokens, per_head=per_head,
+                           text_name=f"calibration text {str(text_path)!r}")
+    chosen = None
+    if budget is not None:
+        from .tune import choose
+
+        chosen, considered = choose(model, tokenizer, fitted, text, *budget, lloyd_max=lloyd_max)
+        config, result = chosen.config, chosen.quantizer
+    else:
+        result = fit_quantizer(fitted, config, lloyd_max)
     seconds = round(time.perf_counter() - start, 1)
     metadata = {
         "model": model_name,
@@ -119,6 +130,10 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
         "seconds": seconds,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
+    if chosen is not None:  # the whole format, which export and eval then take from the file (config.py)
+        metadata.update({"sink": config.sink, "recent": config.recent, "budget_bits": budget[0],
+                         "budget_context": budget[1], "bits_per_element": chosen.bits,
+                         "budget_candidates": [c.summary() for c in considered]})
     rotation_set = RotationSet(
         k=result["k_rotation"], v=result["v_rotation"], metadata=metadata,
         k_levels=result.get("k_levels"), v_levels=result.get("v_levels"),

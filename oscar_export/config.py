@@ -110,3 +110,13 @@ def default_cluster_dim(head_dim: int | None) -> int:
     if head_dim is None or preferred in fitting or not fitting:
         return preferred
     return max(fitting)
+
+
+def metadata_defaults(metadata: dict | None) -> dict:
+    """Cache format fields a rotation file's metadata gives where the user set none: its clip ratios and
+    codebook, and the whole format when `calibrate --budget-bits` chose it (bits, group, windows)."""
+    meta = metadata or {}
+    keys = ("k_clip", "v_clip", "codebook")
+    if meta.get("budget_bits") is not None:
+        keys += ("k_bits", "v_bits", "cluster_dim", "sink", "recent")
+    return {key: meta[key] for key in keys if meta.get(key) is not None}

@@ -486,9 +486,11 @@ def method_config(spec: str, config: OscarConfig) -> tuple[str, OscarConfig]:
     return name, replace(config, k_bits=k_bits, v_bits=v_bits)
 
 
-def _oscar_method(model, tokenizer, spec, config, shape, rotations, calibration, fitted) -> Method:
+def _oscar_method(model, tokenizer, spec, config, shape, rotations, calibration, fitted,
+                  per_head: bool = False) -> Method:
     """`oscar` at `config`: from `rotations` (a file or RotationSet), else calibrated on `calibration`
-    (text, tokens, held-out tokens); `fitted` keeps the rotation fit for the other bit widths."""
+    (text, tokens, held-out tokens), one rotation per KV head with `per_head`; `fitted` keeps the
+    rotation fit for the other bit widths."""
     layers, kv_heads, head_dim, _ = shape
     if rotations is not None and not isinstance(rotations, (str, Path)):
         return oscar_from_rotations(rotations, config, shape, "the given rotation set", "given rotation set", spec)
@@ -503,7 +505,7 @@ def _oscar_method(model, tokenizer, spec, config, shape, rotations, calibration,
     from .calibrate import fit_quantizer, fit_rotations
 
     if not fitted:
-        fitted.update(fit_rotations(model, tokenizer, text, tokens, heldout,
+        fitted.update(fit_rotations(model, tokenizer, text, tokens, heldout, per_head=per_head,
                                     text_name="calibration part of the evaluation text"))
     result = fit_quantizer(fitted, config, lloyd_max=config.codebook == "lloyd-max")
     meta = {"k_clip": result["k_clip"], "v_clip": result["v_clip"], "codebook": config.codebook}
@@ -517,20 +519,20 @@ def _oscar_method(model, tokenizer, spec, config, shape, rotations, calibration,
 
 def build_methods(model, tokenizer, names: Sequence[str], config: OscarConfig, rotations=None,
                   calibration_text: str | None = None, calibration_tokens: int = 4096,
-                  calibration_heldout: int = 512, match_clip: bool = False) -> list[Method]:
+                  calibration_heldout: int = 512, match_clip: bool = False, per_head: bool = False) -> list[Method]:
     """Method objects for the specs `names` (see method_config), in that order.
 
     Baselines use the uniform codebook; `oscar` takes its clip ratios (and Lloyd-Max levels) from the
     rotation file or the calibration, which fits the rotations once for every bit width. match_clip:
     the quantized baselines use the first oscar method's clip ratios too, so only the rotation (or
-    KIVI's grouping) differs.
+    KIVI's grouping) differs. per_head: calibrated oscar fits one rotation per KV head.
     """
     shape = attention_shape(model)
     layers, kv_heads, head_dim, _ = shape
     config.check_head_dim(head_dim)
     specs = [(spec, *method_config(spec, config)) for spec in names]
     calibration, fitted = (calibration_text, calibration_tokens, calibration_heldout), {}
-    oscars = {spec: _oscar_method(model, tokenizer, spec, cfg, shape, rotations, calibration, fitted)
+    oscars = {spec: _oscar_method(model, tokenizer, spec, cfg, shape, rotations, calibration, fitted, per_head)
               for spec, name, cfg in specs if name == "oscar"}
     clips = {}
     if match_clip:
@@ -702,6 +704,7 @@ def evaluate(
     calibration_tokens: int = 4096,
     calibration_heldout: int = 512,
     match_clip: bool = False,
+    per_head: bool = False,
     model=None,
     tokenizer=None,
 ) -> dict:
@@ -716,7 +719,8 @@ def evaluate(
     needle_context defaults to P/2. prefill: first chunk
     (default sink + recent, which only ever reads fp16, so it changes nothing but gives `online` a
     prompt to estimate from). match_clip: the quantized baselines use oscar's clip ratios (default: the
-    config's, 1.0 unless set), so the comparison isolates the rotation from the clipping.
+    config's, 1.0 unless set), so the comparison isolates the rotation from the clipping. per_head:
+    calibrated oscar fits one rotation per KV head (rotation file v2) instead of one per layer.
     model/tokenizer: an already loaded model (then model_name_or_path only names it).
     """
     started = time.perf_counter()
@@ -781,7 +785,7 @@ def evaluate(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     specs = build_methods(model, tokenizer, methods, config, rotations, calibration_text,
-                          calibration_tokens, calibration_heldout, match_clip)
+                          calibration_tokens, calibration_heldout, match_clip, per_head)
     timings["methods_and_calibration"] = time.perf_counter() - t0
     note(f"eval: methods ready in {timings['methods_and_calibration']:.0f} s")
     results = {

@@ -402,6 +402,18 @@ def test_rotation_file_is_used(tiny, text_file, tmp_path):
                  metrics=("attention",), match_clip=True, **small)
 
 
+@pytest.mark.parametrize("per_head", [False, True])
+def test_calibrated_oscar_per_kv_head(tiny, text_file, per_head):
+    """per_head fits one rotation per KV head, and they differ between the heads (each has its own data)."""
+    text = text_file.read_text()
+    (method,) = build_methods(tiny, CharTokenizer(), ["oscar"], OscarConfig(sink=16, recent=32), calibration_text=text,
+                              calibration_tokens=256, calibration_heldout=64, per_head=per_head)
+    k = method.make(64).rotation["k"]  # the cache holds one per (layer, KV head) either way
+    assert k.shape == (2, 2, 64, 64)
+    assert torch.allclose(k[1, 1] @ k[1, 1].T, torch.eye(64), atol=1e-4)
+    assert ((k[:, 0] - k[:, 1]).abs().max() > 1e-3) == per_head
+
+
 def test_table_and_plot(small_result, tmp_path, capsys):
     from rich.console import Console
 

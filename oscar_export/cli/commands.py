@@ -66,9 +66,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     memory = parse_bytes(args.device_memory, "--device-memory")
     reserve = parse_bytes(args.reserve, "--reserve") if args.reserve else None
+    metadata = None
+    if args.rotations is not None:
+        from ..rotation_files import load_rotations
+
+        metadata = load_rotations(args.rotations).metadata
     result = plan(
         model_shape(args.model),
-        config_from_args(args),
+        config_from_args(args, metadata),
         memory,
         args.context,
         weight_bits=args.weight_bits,
@@ -199,10 +204,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     text_path = args.text or default_text()
     read_text(text_path)  # a missing or non-UTF-8 text, or an unwritable --out, fails before calibrating
     check_writable(args.out)
+    if args.context is not None and args.budget_bits is None:
+        raise OscarInputError("--context is the context --budget-bits holds at: expected --budget-bits with it")
     model, tokenizer = load_model(args.model, offload_folder=args.offload_folder, max_memory=args.max_memory)
+    budget = None
+    if args.budget_bits is not None:
+        from ..evaluate import DEFAULT_LONGEST_CONTEXT
+
+        positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+        budget = (args.budget_bits, args.context or min(positions or DEFAULT_LONGEST_CONTEXT, DEFAULT_LONGEST_CONTEXT))
     rotation_set, seconds = run_calibration(args.model, config, text_path, args.tokens, args.heldout_tokens,
                                             per_head=args.per_head, lloyd_max=args.lloyd_max, model=model,
-                                            tokenizer=tokenizer)
+                                            tokenizer=tokenizer, budget=budget)
     save_rotations(args.out, rotation_set)
     zoo = None
     if args.zoo_out is not None:
@@ -216,6 +229,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "per_head": args.per_head,
         "k_clip": rotation_set.metadata["k_clip"],
         "v_clip": rotation_set.metadata["v_clip"],
+        "format": {key: rotation_set.metadata.get(key) for key in ("k_bits", "v_bits", "cluster_dim", "sink", "recent",
+                                                                     "bits_per_element", "budget_bits",
+                                                                     "budget_context")},
         "seconds": seconds,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
@@ -227,6 +243,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         out.print(f"wrote {summary['out']}: {summary['layers']} layers, head_dim {summary['head_dim']}, "
                   f"clip K {summary['k_clip']} V {summary['v_clip']}, {summary['seconds']} s, "
                   f"peak RSS {summary['peak_rss_bytes'] / 2**20:.0f} MiB")
+        f = summary["format"]
+        if f["budget_bits"] is not None:
+            out.print(f"format within {f['budget_bits']:g} bits per element at {f['budget_context']} tokens: "
+                      f"K{f['k_bits']}/V{f['v_bits']}, group {f['cluster_dim']}, sink {f['sink']}, recent "
+                      f"{f['recent']}: {f['bits_per_element']:.3f} bits (export and eval take it from the file)")
     return 0
 
 

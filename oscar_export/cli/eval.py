@@ -47,11 +47,16 @@ def _floats(text: str, flag: str) -> list[float]:
 def cmd_eval(args: argparse.Namespace) -> int:
     from ..evaluate import evaluate, plot, print_table
 
+    metadata = None
+    if args.rotations is not None:  # a budget-chosen file sets the format every method is evaluated at
+        from ..rotation_files import load_rotations
+
+        metadata = load_rotations(args.rotations).metadata
     result = evaluate(
         args.model,
         methods=_method_specs(args.methods),
         bits=None,  # --bits/--k-bits/--v-bits are in the config
-        config=config_from_args(args),
+        config=config_from_args(args, metadata),
         rotations=args.rotations,
         contexts=_ints(args.contexts, "--contexts") if args.contexts else None,
         text=args.text,
@@ -64,6 +69,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         needle_seeds=args.needle_seeds,
         calibration_tokens=args.calibration_tokens,
         match_clip=args.match_clip,
+        per_head=args.per_head,
     )
     if args.plot:
         plot(result, args.plot)
@@ -112,6 +118,8 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
                    help="tokens for on-the-fly calibration of 'oscar' (default %(default)s)")
     p.add_argument("--match-clip", action="store_true",
                    help="give naive, hadamard, kivi and online the clip ratios oscar uses (default: the cache flags')")
+    p.add_argument("--per-head", action="store_true",
+                   help="calibrated 'oscar' fits one rotation per KV head (default: one per layer)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", type=Path, help="write a PNG with the three panels")
     add_cache_flags(p)

@@ -8,7 +8,8 @@ import os
 from pathlib import Path
 
 from ..calibrations import DEFAULT_TOKENS
-from ..config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError, default_cluster_dim
+from ..config import (SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError, default_cluster_dim,
+                      metadata_defaults)
 
 
 class Parser(argparse.ArgumentParser):
@@ -63,7 +64,8 @@ def _count(text: str) -> int:
 def add_cache_flags(p: argparse.ArgumentParser) -> None:
     defaults = OscarConfig()
     g = p.add_argument_group("KV cache format")
-    g.add_argument("--bits", type=int, choices=SUPPORTED_BITS, default=defaults.k_bits, help="bits per K and V code")
+    g.add_argument("--bits", type=int, choices=SUPPORTED_BITS,
+                   help=f"bits per K and V code (default: a budget-chosen rotation file's, else {defaults.k_bits})")
     g.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, help="bits per K code (overrides --bits)")
     g.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="bits per V code (overrides --bits)")
     g.add_argument("--cluster-dim", type=int, choices=SUPPORTED_CLUSTER_DIMS,
@@ -73,29 +75,26 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
                    help=f"fraction of each K group's range kept (default: a rotation file's, else {defaults.k_clip})")
     g.add_argument("--v-clip", type=float,
                    help=f"fraction of each V group's range kept (default: a rotation file's, else {defaults.v_clip})")
-    g.add_argument("--sink", type=_count, default=defaults.sink, help="fp16 sink tokens (default %(default)s)")
-    g.add_argument("--recent", type=_count, default=defaults.recent, help="fp16 recent window (default %(default)s)")
+    g.add_argument("--sink", type=_count,
+                   help=f"fp16 sink tokens (default: a budget-chosen rotation file's, else {defaults.sink})")
+    g.add_argument("--recent", type=_count,
+                   help=f"fp16 recent window (default: a budget-chosen rotation file's, else {defaults.recent})")
 
 
 def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = None) -> OscarConfig:
-    """The cache flags; clip ratios and codebook a calibrated rotation file carries apply unless overridden."""
-    meta = rotation_metadata or {}
-    defaults = OscarConfig()
-    cluster_dim = args.cluster_dim
-    if cluster_dim is None:
+    """The cache flags; what a rotation file's metadata carries (config.metadata_defaults) applies where a flag
+    is unset, then the defaults."""
+    fields = {"k_bits": args.k_bits or args.bits, "v_bits": args.v_bits or args.bits, "cluster_dim": args.cluster_dim,
+              "k_clip": args.k_clip, "v_clip": args.v_clip, "sink": args.sink, "recent": args.recent}
+    for key, value in metadata_defaults(rotation_metadata).items():
+        if fields.get(key) is None:
+            fields[key] = value
+    if fields["cluster_dim"] is None:
         from ..models import model_shape
 
-        cluster_dim = default_cluster_dim(model_shape(args.model).head_dim if getattr(args, "model", None) else None)
-    return OscarConfig(
-        k_bits=args.k_bits or args.bits,
-        v_bits=args.v_bits or args.bits,
-        cluster_dim=cluster_dim,
-        k_clip=args.k_clip if args.k_clip is not None else meta.get("k_clip") or defaults.k_clip,
-        v_clip=args.v_clip if args.v_clip is not None else meta.get("v_clip") or defaults.v_clip,
-        codebook=meta.get("codebook") or defaults.codebook,
-        sink=args.sink,
-        recent=args.recent,
-    )
+        fields["cluster_dim"] = default_cluster_dim(model_shape(args.model).head_dim
+                                                    if getattr(args, "model", None) else None)
+    return OscarConfig(**{key: value for key, value in fields.items() if value is not None})
 
 
 def export_parser(target) -> argparse.ArgumentParser:

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-group", type=positive_int, default=32,
                    help="input channels per weight scale/zero (default %(default)s)")
     p.add_argument("--reserve", help="memory kept for OS, runtime and activations (default 20%% of device memory)")
+    p.add_argument("--rotations", type=Path,
+                   help="a rotation file whose cache format (one chosen by calibrate --budget-bits) the plan uses "
+                        "where no flag is given")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_cache_flags(p)
     p.set_defaults(func=commands.cmd_plan)
@@ -71,6 +74,13 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "(k_rotation_qqt_h_pbr.pt, v_rotation_sst_h_pbr.pt)")
     p.add_argument("--per-head", action="store_true", help="one rotation per (layer, KV head) (format v2)")
     p.add_argument("--lloyd-max", action="store_true", help="fit Lloyd-Max levels per layer for K and V")
+    p.add_argument("--budget-bits", type=float, metavar="B",
+                   help="choose the cache format (K/V bits, group, fp16 windows) that fits B bits per K/V element at "
+                        "--context and loses least on the calibration text; the file carries it, and export and eval "
+                        "use it unless a flag overrides")
+    p.add_argument("--context", type=positive_int,
+                   help="with --budget-bits: the context the budget holds at (default: the model's "
+                        "max_position_embeddings, at most 8192)")
     p.add_argument("--offload-folder", type=Path, help="offload weights that do not fit in memory to this folder")
     p.add_argument("--max-memory", help="memory the weights may use before offloading, e.g. 4GB")
     p.add_argument("--json", action="store_true", help="print one JSON object")

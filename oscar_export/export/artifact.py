@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import OscarConfig, OscarInputError, default_cluster_dim
+from ..config import OscarConfig, OscarInputError, default_cluster_dim, metadata_defaults
 from ..rotation_files import load_rotations
 
 MANIFEST = "manifest.json"
@@ -30,14 +30,13 @@ def manifest_format(target: str) -> str:
 
 
 def config_for(rotations, head_dim: int | None = None, **fields) -> OscarConfig:
-    """OscarConfig from the given fields; a rotation file's clip ratios and codebook fill in the rest, and
-    an unset cluster_dim is the default group for head_dim."""
+    """OscarConfig from the given fields; a rotation file's metadata fills in the rest (config.metadata_defaults),
+    and an unset cluster_dim is then the default group for head_dim."""
+    for key, value in metadata_defaults(getattr(rotations, "metadata", {})).items():
+        if fields.get(key) is None:
+            fields[key] = value
     if fields.get("cluster_dim") is None:
         fields["cluster_dim"] = default_cluster_dim(head_dim)
-    meta = getattr(rotations, "metadata", {})
-    for key in ("k_clip", "v_clip", "codebook"):
-        if fields.get(key) is None and meta.get(key) is not None:
-            fields[key] = meta[key]
     return OscarConfig(**{key: value for key, value in fields.items() if value is not None})
 
 

@@ -1,0 +1,100 @@
+"""calibrate --budget-bits: the candidates fit the budget, the chosen format is the best scored one, and the
+rotation file carries it into export, eval and plan."""
+
+import json
+import math
+
+import pytest
+
+from oscar_export.calibrations import run_calibration
+from oscar_export.cli import main
+from oscar_export.config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
+from oscar_export.export.artifact import config_for
+from oscar_export.models import BUNDLED_MODEL_DIR, load_model
+from oscar_export.rotation_files import load_rotations
+from oscar_export.tune import WINDOWS, candidates
+
+pytestmark = pytest.mark.usefixtures("single_threaded")
+
+
+def stored_bits(k_bits, v_bits, cluster_dim, sink, recent, head_dim, context):
+    """Bits per K/V element, counted by hand: fp16 windows, then per body vector its codes and an fp16
+    scale and zero per group, for K and for V."""
+    windows = min(context, sink + recent)
+    body = context - windows
+    per_vector = sum(head_dim * b + 2 * 16 * head_dim // cluster_dim for b in (k_bits, v_bits))
+    return (windows * 2 * head_dim * 16 + body * per_vector) / (context * 2 * head_dim)
+
+
+@pytest.mark.parametrize("budget, context, head_dim", [(3.0, 8192, 64), (2.4, 32768, 128), (4.5, 2048, 64)])
+def test_candidates_are_every_format_within_the_budget_with_the_largest_windows(budget, context, head_dim):
+    found = {(c.config.k_bits, c.config.v_bits, c.config.cluster_dim): c for c in candidates(budget, context, head_dim)}
+    for k in SUPPORTED_BITS:
+        for v in SUPPORTED_BITS:
+            for cd in (cd for cd in SUPPORTED_CLUSTER_DIMS if head_dim % cd == 0):
+                fitting = [w for w in WINDOWS if stored_bits(k, v, cd, *w, head_dim, context) <= budget]
+                if not fitting:
+                    assert (k, v, cd) not in found
+                    continue
+                c = found[(k, v, cd)]
+                assert (c.config.sink, c.config.recent) == fitting[0]  # the largest windows that fit
+                assert c.bits == pytest.approx(stored_bits(k, v, cd, *fitting[0], head_dim, context))
+
+
+def test_a_budget_nothing_fits_names_the_cheapest():
+    cheapest = stored_bits(2, 2, 128, *WINDOWS[-1], 128, 8192)  # 2-bit, largest group, smallest windows
+    with pytest.raises(OscarInputError, match=rf"--budget-bits 2: no cache format fits .* at least {cheapest:.3f} "):
+        candidates(2.0, 8192, 128)
+
+
+@pytest.fixture(scope="module")
+def budget_file(tmp_path_factory):
+    model, tokenizer = load_model("bundled")
+    rs, _ = run_calibration("bundled", OscarConfig(), BUNDLED_MODEL_DIR / "heldout.txt", 1024, 256, model=model,
+                            tokenizer=tokenizer, budget=(3.2, 1024))
+    path = tmp_path_factory.mktemp("tune") / "budget.safetensors"
+    from oscar_export.rotation_files import save_rotations
+
+    save_rotations(path, rs)
+    return path
+
+
+def test_the_chosen_format_fits_and_scored_best(budget_file):
+    meta = load_rotations(budget_file).metadata
+    assert meta["budget_bits"] == 3.2 and meta["budget_context"] == 1024
+    assert meta["bits_per_element"] <= 3.2
+    assert meta["bits_per_element"] == pytest.approx(stored_bits(meta["k_bits"], meta["v_bits"], meta["cluster_dim"],
+                                                                 meta["sink"], meta["recent"], 64, 1024))
+    considered = meta["budget_candidates"]
+    assert all(c["bits"] <= 3.2 for c in considered)
+    scored = [c for c in considered if c["perplexity"] is not None]
+    assert 1 <= len(scored) <= 4
+    # The shortlist is the lowest attention errors; the winner has the lowest perplexity among them.
+    cutoff = max(c["attention_error"] for c in scored)
+    assert all(c["attention_error"] >= cutoff for c in considered if c["perplexity"] is None)
+    best = min(scored, key=lambda c: c["perplexity"])
+    assert all(math.isfinite(c["perplexity"]) for c in scored)
+    assert (meta["k_bits"], meta["v_bits"], meta["cluster_dim"], meta["sink"], meta["recent"]) == \
+        (best["k_bits"], best["v_bits"], best["cluster_dim"], best["sink"], best["recent"])
+
+
+def test_export_takes_the_format_from_the_file_unless_a_flag_says_otherwise(budget_file):
+    rs = load_rotations(budget_file)
+    meta = rs.metadata
+    config = config_for(rs, 64)
+    assert (config.k_bits, config.v_bits, config.cluster_dim, config.sink, config.recent, config.k_clip) == \
+        (meta["k_bits"], meta["v_bits"], meta["cluster_dim"], meta["sink"], meta["recent"], meta["k_clip"])
+    assert config_for(rs, 64, k_bits=4, sink=8).k_bits == 4 and config_for(rs, 64, sink=8).sink == 8
+
+
+def test_plan_uses_the_files_format(budget_file, capsys):
+    meta = load_rotations(budget_file).metadata
+    assert main(["plan", "--rotations", str(budget_file), "--context", "1024", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["config"]["k_bits"] == meta["k_bits"] and plan["config"]["recent"] == meta["recent"]
+    assert plan["kv_bytes"] * 8 / (1024 * 2 * 64 * 2 * 4) == pytest.approx(meta["bits_per_element"], rel=1e-6)
+
+
+def test_context_needs_a_budget(tmp_path, capsys):
+    assert main(["calibrate", "--out", str(tmp_path / "r.safetensors"), "--context", "1024"]) == 2
+    assert "expected --budget-bits with it" in capsys.readouterr().err
