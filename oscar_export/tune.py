@@ -18,7 +18,9 @@ from dataclasses import dataclass, replace
 from .cache import bits_per_element
 from .config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
 
-WINDOWS = ((64, 256), (32, 128), (16, 64), (0, 32))  # (sink, recent) fp16 tokens, largest first
+# (sink, recent) fp16 tokens, the most tokens first (at equal totals the longer recent window).
+WINDOWS = tuple(sorted(((s, r) for s in (64, 32, 16, 0) for r in (512, 384, 256, 192, 128, 64, 32)),
+                       key=lambda w: (-(w[0] + w[1]), -w[1])))
 SHORTLIST = 4
 CHUNK = 64  # decode-like chunks after the first, as eval runs them
 
