@@ -98,14 +98,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_artifact(args: argparse.Namespace) -> int:
     from ..export.decode_bench import bench_artifact_decode, print_artifact_decode
-    from ..export.artifact import load_manifest
 
     if args.what != "decode":
         raise OscarInputError(f"bench {args.what} --artifact: expected 'bench decode' (an artifact's decode speed)")
-    if args.context is None:  # a quarter of the artifact's context, and all of it
-        top = load_manifest(args.artifact)["max_context"]
-        args.context = f"{top // 4},{top}"
-    report = bench_artifact_decode(args.artifact, contexts(args.context), args.steps, args.threads or None,
+    report = bench_artifact_decode(args.artifact, args.context and contexts(args.context), args.steps,
+                                   args.threads or None,
                                    args.repeats, args.gguf, args.runtime, args.profile)
     if args.json:
         print(json.dumps(report, indent=2))

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import OscarInputError
-from ..report import DEFAULT_TEXT
+from ..report import read_tokens
 
 LLAMACPP_CACHES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml type ids
 LLAMACPP_MISSING = ("llama-cpp-python is not installed (pip install 'oscar-export[bench]'; build it from source for "
@@ -28,7 +28,8 @@ LLAMACPP_MISSING = ("llama-cpp-python is not installed (pip install 'oscar-expor
 
 
 class LlamaCpp:
-    """A GGUF model in llama.cpp with one K/V cache type: prefill(ids) and step(token), each -> logits."""
+    """A GGUF model in llama.cpp with one K/V cache type, stepped like an artifact's runner (GreedyLM):
+    step(ids) and prefill(ids) -> the last position's logits."""
 
     def __init__(self, gguf: Path, context: int, threads: int, cache: str):
         import llama_cpp
@@ -39,49 +40,19 @@ class LlamaCpp:
                                    n_batch=512, type_k=LLAMACPP_CACHES[cache], type_v=LLAMACPP_CACHES[cache],
                                    flash_attn=quantized, verbose=False)
 
-    def _logits(self) -> np.ndarray:  # the last evaluated token's (Llama.scores holds them only with logits_all)
+    def step(self, ids) -> np.ndarray:
+        self.llm.eval(list(ids))  # batches of n_batch itself
+        # the last evaluated token's logits (Llama.scores holds them only with logits_all)
         return np.ctypeslib.as_array(self.lib.llama_get_logits(self.llm.ctx), shape=(self.llm.n_vocab(),))
 
-    def prefill(self, ids: list[int]) -> np.ndarray:
-        self.llm.eval(ids)
-        return self._logits()
-
-    def step(self, token: int) -> np.ndarray:
-        self.llm.eval([token])
-        return self._logits()
-
-    def close(self) -> None:
-        self.llm.close()
+    prefill = step
 
 
-class ArtifactDecoder:
-    """An artifact's runner (a GreedyLM) with the same interface."""
-
-    def __init__(self, runner):
-        self.runner = runner
-
-    def prefill(self, ids: list[int]) -> np.ndarray:
-        return self.runner.prefill(ids)
-
-    def step(self, token: int) -> np.ndarray:
-        return self.runner.step([token])
-
-    def close(self) -> None:
-        self.runner = None
-
-
-def bench_prompt(tokenizer, tokens: int) -> list[int]:
-    ids = tokenizer(DEFAULT_TEXT.read_text(encoding="utf-8"))["input_ids"]
-    if len(ids) < tokens:
-        raise OscarInputError(f"--context: the bundled text has {len(ids)} tokens in this tokenizer: expected at "
-                              f"least {tokens} for the prompt")
-    return ids[:tokens]
-
-
-def bench_artifact_decode(directory, contexts, steps: int = 32, threads: int | None = None, repeats: int = 3,
+def bench_artifact_decode(directory, contexts=None, steps: int = 32, threads: int | None = None, repeats: int = 3,
                           gguf=None, runtime: str | None = None, profile: bool = False) -> dict:
-    """Prefill and decode tokens/s of the artifact and, with `gguf`, of llama.cpp, per context. profile: then
-    a separate profiled run of the artifact per context says where its decode step goes (target.decode_profile)."""
+    """Prefill and decode tokens/s of the artifact and, with `gguf`, of llama.cpp, per context (default: a
+    quarter of the artifact's context and all of it). profile: then a separate profiled run of the artifact
+    per context says where its decode step goes (target.decode_profile)."""
     from transformers import AutoTokenizer
 
     from .pipeline import check_runtime, open_artifact
@@ -96,10 +67,11 @@ def bench_artifact_decode(directory, contexts, steps: int = 32, threads: int | N
         if importlib.util.find_spec("llama_cpp") is None:
             raise OscarInputError(f"--gguf: {LLAMACPP_MISSING}")
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    contexts = list(contexts)
+    top = manifest["max_context"]
+    contexts = list(contexts or (top // 4, top))
     for context in contexts:
-        if context > manifest["max_context"]:
-            raise OscarInputError(f"--context {context}: the artifact holds at most {manifest['max_context']} tokens "
+        if context > top:
+            raise OscarInputError(f"--context {context}: the artifact holds at most {top} tokens "
                                   "(its export's --context)")
         if context <= (repeats + 1) * steps + 1:
             raise OscarInputError(f"--context {context}: expected more than (repeats + 1) x steps = "
@@ -107,8 +79,8 @@ def bench_artifact_decode(directory, contexts, steps: int = 32, threads: int | N
     name = f"oscar ({runtime})"
     results = []
     for context in contexts:
-        ids = bench_prompt(tokenizer, context - (repeats + 1) * steps)
-        makers = {name: lambda: ArtifactDecoder(target.runner(directory, manifest, runtime, threads))}
+        ids = read_tokens(tokenizer, None, context - (repeats + 1) * steps)[0].tolist()  # the bundled text
+        makers = {name: lambda: target.runner(directory, manifest, runtime, threads)}
         if gguf is not None:
             makers.update({f"llama.cpp {c}": (lambda c=c: LlamaCpp(gguf, context, threads, c))
                            for c in LLAMACPP_CACHES})
@@ -124,11 +96,10 @@ def bench_artifact_decode(directory, contexts, steps: int = 32, threads: int | N
             for label, decoder in decoders.items():
                 start = time.perf_counter()
                 for _ in range(steps):
-                    tokens[label] = int(np.argmax(decoder.step(tokens[label])))
+                    tokens[label] = int(np.argmax(decoder.step([tokens[label]])))
                 if turn:
                     rates[label].append(steps / (time.perf_counter() - start))
-        for decoder in decoders.values():
-            decoder.close()
+        decoders = decoder = None  # this context's sessions and caches, freed before the next, larger one
         row["decode_tokens_per_s"] = {label: round(statistics.median(r), 2) for label, r in rates.items()}
         row["decode_turns"] = {label: [round(x, 2) for x in r] for label, r in rates.items()}
         if profile:

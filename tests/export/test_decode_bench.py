@@ -11,9 +11,10 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from oscar_export.cli import main  # noqa: E402
-from oscar_export.export.decode_bench import LlamaCpp, bench_artifact_decode, bench_prompt  # noqa: E402
+from oscar_export.export.decode_bench import LlamaCpp, bench_artifact_decode  # noqa: E402
 from oscar_export.export.pipeline import export_artifact  # noqa: E402
 from oscar_export.models import load_model  # noqa: E402
+from oscar_export.report import read_tokens  # noqa: E402
 from oscar_export.native import ort_op_buildable  # noqa: E402
 
 CONTEXT = 512
@@ -35,7 +36,8 @@ def test_report_times_the_artifact_after_a_real_prompt(artifact):
     assert report["target"] == "laptop" and report["runtime"] == "onnxruntime" and "int4" in report["weights"]
     (row,) = report["results"]
     _, tokenizer = load_model("bundled")
-    assert row["prompt_tokens"] == 400 - (repeats + 1) * steps == len(bench_prompt(tokenizer, row["prompt_tokens"]))
+    prompt = read_tokens(tokenizer, None, row["prompt_tokens"])  # the bundled text
+    assert row["prompt_tokens"] == 400 - (repeats + 1) * steps == prompt.shape[1]
     name = report["oscar"]
     assert list(row["decode_tokens_per_s"]) == [name]  # no --gguf: the artifact alone
     turns = row["decode_turns"][name]
@@ -97,5 +99,4 @@ def test_llamacpp_greedy_decode_on_the_smollm2_gguf():
         logits = llm.prefill(ids)
         assert logits.shape == (len(tokenizer),)
         assert tokenizer.decode([int(np.argmax(logits))]).strip() == "Paris", cache
-        assert np.isfinite(llm.step(int(np.argmax(logits)))).all()
-        llm.close()
+        assert np.isfinite(llm.step([int(np.argmax(logits))])).all()
