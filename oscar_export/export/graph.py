@@ -28,7 +28,8 @@ def _fold_v(v_proj: nn.Linear, rot: torch.Tensor) -> nn.Linear:
     """v_proj whose output per KV head h is v_h @ R_h: weight rows of head h become R_h^T W_h."""
     heads, d, _ = rot.shape
     w = v_proj.weight.detach().double().reshape(heads, d, -1)
-    folded = nn.Linear(v_proj.in_features, v_proj.out_features, bias=v_proj.bias is not None)
+    rot = rot.to(w.device)
+    folded = nn.Linear(v_proj.in_features, v_proj.out_features, bias=v_proj.bias is not None, device=w.device)
     folded.weight.data = (rot.double().transpose(1, 2) @ w).reshape_as(v_proj.weight).to(v_proj.weight.dtype)
     if v_proj.bias is not None:
         b = v_proj.bias.detach().double().reshape(heads, 1, d)
@@ -39,9 +40,11 @@ def _fold_v(v_proj: nn.Linear, rot: torch.Tensor) -> nn.Linear:
 def _fold_o(o_proj: nn.Linear, rot_per_q_head: torch.Tensor) -> nn.Linear:
     """o_proj reading rotated attention outputs: columns of query head h become W_h @ R_v(h)."""
     heads, d, _ = rot_per_q_head.shape
-    w = o_proj.weight.detach().double().reshape(o_proj.out_features, heads, 1, d)
-    folded = nn.Linear(o_proj.in_features, o_proj.out_features, bias=o_proj.bias is not None)
-    folded.weight.data = (w @ rot_per_q_head.double()).reshape_as(o_proj.weight).to(o_proj.weight.dtype)
+    # One [out, d] x [d, d] product per head, not out x heads tiny ones: 12 s a layer less at Llama-3-8B's shape.
+    w = o_proj.weight.detach().double().reshape(o_proj.out_features, heads, d).transpose(0, 1)
+    folded = nn.Linear(o_proj.in_features, o_proj.out_features, bias=o_proj.bias is not None, device=w.device)
+    product = w @ rot_per_q_head.to(w.device).double()
+    folded.weight.data = product.transpose(0, 1).reshape_as(o_proj.weight).to(o_proj.weight.dtype)
     if o_proj.bias is not None:
         folded.bias.data = o_proj.bias.detach().clone()
     return folded
@@ -144,11 +147,16 @@ class OscarCausalLM(nn.Module):
         self.embed_tokens, self.norm, self.lm_head = text.embed_tokens, text.norm, model.lm_head
         self.register_buffer("inv_freq", text.rotary_emb.inv_freq.float().clone())
         self.rope_scaling = float(text.rotary_emb.attention_scaling)
-        self.layers = nn.ModuleList(
-            OscarDecoderLayer(block, config, None if k_rot is None else k_rot[i], None if v_rot is None else v_rot[i],
-                              levels["k"][i].float(), levels["v"][i].float())
-            for i, block in enumerate(text.layers)
-        )
+        self.rotations, self.levels = (k_rot, v_rot), levels  # plain attributes: decoder_layer rebuilds a layer
+        self.layers = nn.ModuleList(self.decoder_layer(block, i) for i, block in enumerate(text.layers))
+
+    def decoder_layer(self, block, i: int) -> OscarDecoderLayer:
+        """Layer i of this graph made from a Hugging Face decoder block; a streamed export (export/streamed.py)
+        calls it again with the block's real weights when the graph was built on the meta device."""
+        k_rot, v_rot = self.rotations
+        return OscarDecoderLayer(block, self.config, None if k_rot is None else k_rot[i],
+                                 None if v_rot is None else v_rot[i], self.levels["k"][i].float(),
+                                 self.levels["v"][i].float())
 
     def cache_spec(self, max_context: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, shape, dtype) of every cache buffer, layer by layer, in forward's order."""

@@ -1,8 +1,9 @@
 """The one export pipeline every target goes through, and the runs every artifact shares.
 
 export_artifact: check the arguments, load the model and its shape, choose the context, resolve
-the rotations and the cache config, build the exportable graph (graph.OscarCausalLM), let the
-target lower it and quantize its weights, then write the artifact atomically with its manifest and
+the rotations and the cache config, build the exportable graph (graph.OscarCausalLM; for a target that
+streams weights, on the meta device with the weights read layer by layer: streamed.py), let the target
+lower it and quantize its weights, then write the artifact atomically with its manifest and
 memory plan. A target supplies only Target.lower (targets/).
 """
 
@@ -23,9 +24,10 @@ def export_artifact(target: str | Target, model_name: str, out, rotations="hadam
     manifest. config_fields: OscarConfig fields (k_bits, cluster_dim, sink, ...); None keeps the default, or
     the rotation file's value for clip ratios and codebook."""
     from ..hf_cache import resolve_rotations
-    from ..models import load_model, model_shape
+    from ..models import is_gguf, load_model, model_dir, model_shape
     from ..planner import plan
     from .graph import OscarCausalLM
+    from .streamed import StreamedWeights, is_streamable, meta_model
 
     target = get(target) if isinstance(target, str) else target
     options = options or target.options
@@ -33,12 +35,14 @@ def export_artifact(target: str | Target, model_name: str, out, rotations="hadam
     shape = model_shape(model_name)
     max_context = default_context(shape, max_context)
     target.check(options, config_fields, max_context)
-    model, tokenizer = load_model(model_name)
+    streamed = target.streams_weights and not is_gguf(model_name) and is_streamable(model_dir(model_name))
+    model, tokenizer = meta_model(model_dir(model_name)) if streamed else load_model(model_name)
     max_chunk = min(options.max_chunk, max_context)
     resolved = resolve_rotations(rotations, model)
     config = config_for(resolved, shape.head_dim, **config_fields)
     module = OscarCausalLM(model, config, resolved).eval()
-    lowered = target.lower(module, model, tokenizer, max_context, max_chunk, float_weights, options)
+    weights = StreamedWeights(module, model, model_dir(model_name)) if streamed else None
+    lowered = target.lower(module, model, tokenizer, max_context, max_chunk, float_weights, options, weights)
     with staged(out) as temp:
         lowered.write(temp)
         return finish_manifest(temp, target.name, target.runtime, model_name, model, shape,

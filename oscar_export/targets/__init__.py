@@ -52,6 +52,9 @@ class Target:
     runtimes: dict[str, str] = {}  # run/parity runtimes besides the reference: name -> how it runs
     bench_kinds: tuple[str, ...] = ()  # what `bench` measures on this target's runtime
     float_weights_help: str = "keep float weights"
+    # lower() takes a graph traced on the meta device and a source of its weights (export/streamed.py), so a
+    # safetensors checkpoint larger than memory exports one layer at a time.
+    streams_weights: bool = False
 
     @property
     def default_out(self) -> Path:
@@ -81,7 +84,9 @@ class Target:
         """Reject a layout this target cannot run, before the model is loaded."""
 
     def lower(self, module, model, tokenizer, max_context: int, max_chunk: int, float_weights: bool,
-              options: TargetOptions) -> Lowered:
+              options: TargetOptions, weights=None) -> Lowered:
+        """The artifact's writer. weights: None, or (streams_weights only) name -> tensor for the meta-device
+        parameters of `module`, whose `model` is then a meta-device skeleton."""
         raise NotImplementedError
 
     # -- run and parity ----------------------------------------------------------------------

@@ -120,7 +120,7 @@ class _NoteTarget(Target):
             return {"skipped": "it takes text, and this prompt's text does not tokenize back"}
         return reference_trace(directory, ids, steps)
 
-    def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options):
+    def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options, weights=None):
         spec = [[name, list(shape)] for name, shape, _ in module.cache_spec(max_context)]
         note = {"note": options.note, "max_chunk": max_chunk, "cache": spec}
         return Lowered(lambda temp: (temp / "note.json").write_text(json.dumps(note)), "float32",

@@ -157,7 +157,8 @@ class AndroidTarget(Target):
             raise OscarInputError(f"--group-size {args.group_size}: expected a positive channel count")
         return replace(self.options, group_size=args.group_size)
 
-    def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options) -> Lowered:
+    def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options,
+              weights=None) -> Lowered:
         from ...native import executorch_library_path
 
         library = executorch_library_path()  # fail before minutes of lowering when the kernel cannot be built

@@ -71,7 +71,8 @@ class IosTarget(Target):
         check_layout(defaults.sink if config_fields.get("sink") is None else config_fields["sink"],
                      defaults.recent if config_fields.get("recent") is None else config_fields["recent"], max_context)
 
-    def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options) -> Lowered:
+    def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options,
+              weights=None) -> Lowered:
         from .coreml import MODEL_FILE, cache_inputs, convert
 
         mlmodel = convert(module, max_context, max_chunk, float_weights, weight_block=options.weight_block)

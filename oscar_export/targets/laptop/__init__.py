@@ -8,7 +8,7 @@ file when one was used, and manifest.json (what was exported, with sha256 of eve
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +16,9 @@ import torch
 
 from ...config import OscarInputError
 from .. import BenchRequest, Lowered, Target, TargetOptions, register
+
+
+MATMUL_NBITS_BLOCKS = (16, 32, 64, 128, 256)  # powers of two from 16: ONNX Runtime's MatMulNBits block sizes
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,21 @@ class LaptopTarget(Target):
                 "onnx-fallback": "stock ONNX Runtime, the op as a pure-ONNX function (slower: copies the cache)"}
     bench_kinds = ("attention", "decode")
     float_weights_help = "keep float weights (default: 4-bit MatMulNBits)"
+    streams_weights = True
 
-    def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options) -> Lowered:
+    def add_export_flags(self, parser):
+        parser.add_argument("--group-size", type=int, default=self.options.weight_block,
+                            help=f"input channels per 4-bit weight scale, one of {MATMUL_NBITS_BLOCKS} (default "
+                                 "%(default)s; 128 takes 0.5 bit a weight less, as GPTQ and AWQ checkpoints do)")
+
+    def export_options(self, args):
+        if args.group_size not in MATMUL_NBITS_BLOCKS:
+            raise OscarInputError(f"--group-size {args.group_size}: expected one of {MATMUL_NBITS_BLOCKS}, the "
+                                  "block sizes MatMulNBits takes")
+        return replace(self.options, weight_block=args.group_size)
+
+    def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options,
+              weights=None) -> Lowered:
         from ...native import ort_library_path
         from .onnx_export import export_onnx
         from .ort_runner import LIBRARY_FILE
@@ -44,7 +60,7 @@ class LaptopTarget(Target):
         library = ort_library_path()  # fail before the export when the op library cannot be built
 
         def write(temp: Path) -> None:
-            export_onnx(module, temp, max_context, max_chunk, float_weights, options.weight_block)
+            export_onnx(module, temp, max_context, max_chunk, float_weights, options.weight_block, weights)
             shutil.copy2(library, temp / LIBRARY_FILE)
 
         return Lowered(write, "float32" if float_weights else

@@ -16,8 +16,8 @@ quantized to int8 per block on the fly) with fp16 embedding tables, float with f
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,7 @@ import onnx
 import onnx_ir as ir
 import onnxscript
 import torch
-from onnx import TensorProto, helper, numpy_helper
+
 
 from ...config import OscarInputError
 from ...export.graph import OscarCausalLM
@@ -35,15 +35,23 @@ MODEL_FILE, DATA_FILE, FALLBACK_FILE = "model.onnx", "model.onnx.data", "model_f
 
 
 def export_onnx(module: OscarCausalLM, directory: Path, max_context: int, max_chunk: int = 512,
-                float_weights: bool = False, weight_block: int = 32) -> list[Path]:
+                float_weights: bool = False, weight_block: int = 32, weights=None) -> list[Path]:
     """Write model.onnx, model.onnx.data and model_fallback.onnx into an existing directory; 4-bit weights
-    have a scale per weight_block input channels."""
+    have a scale per weight_block input channels. weights: name -> tensor for a module built on the meta
+    device (export/streamed.py), None when the module holds its weights.
+
+    Every weight is written as a lazy tensor, computed (read, transposed, quantized) when the writer reaches
+    it and dropped after: the graph never holds the model's float weights, so memory stays flat in depth."""
     register_schema()
     directory = Path(directory)
+    if weights is not None:
+        module.to("meta")  # its buffers too: `weights` has their values
+    device = next(module.parameters()).device
     spec = module.cache_spec(max_context)
     names = ["input_ids", "length", *(name for name, _, _ in spec)]
-    example = (torch.zeros(1, min(8, max_chunk), dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-               *module.new_cache(max_context))
+    example = (torch.zeros(1, min(8, max_chunk), dtype=torch.int64, device=device),
+               torch.zeros(1, dtype=torch.int64, device=device),
+               *(torch.zeros(shape, dtype=dtype, device=device) for _, shape, dtype in spec))
     chunk = torch.export.Dim("T", min=1, max=max_chunk)
     functional = module.functional
     module.functional = True  # ONNX cannot mutate inputs: trace the functional form, then drop its cache outputs
@@ -51,29 +59,101 @@ def export_onnx(module: OscarCausalLM, directory: Path, max_context: int, max_ch
         exported = torch.export.export(module, example, dynamic_shapes=({1: chunk}, None, (None,) * len(spec)))
     finally:
         module.functional = functional
+    # The exporter's optimizer runs later (_optimize), with the weights hidden: it would fold and hold them all.
     program = torch.onnx.export(
-        exported, dynamo=True, input_names=names, output_names=["logits", *(f"{name}.next" for name, _, _ in spec)],
+        exported, dynamo=True, optimize=False, input_names=names,
+        output_names=["logits", *(f"{name}.next" for name, _, _ in spec)],
         custom_translation_table={torch.ops.oscar.attention_functional.default: translate}, verbose=False,
     )
     model = program.model
     del model.graph.outputs[1:]  # the native op writes the cache inputs themselves
-    ir.passes.common.RemoveUnusedNodesPass()(model)
+    for value, name in zip(model.graph.inputs, names):
+        value.name = name  # unoptimized, an output that passes an input through renamed it
+    _lazy_weights(model, weights)
+    _optimize(model)
+    _fold_weight_transposes(model)
+    if not float_weights:
+        _quantize_weights(model, weight_block)
+        _half_embeddings(model)
+    with _quiet():
+        ir.passes.common.RemoveUnusedNodesPass()(model)
     model_path = directory / MODEL_FILE
-    if float_weights:
-        ir.save(model, model_path, external_data=DATA_FILE)
-    else:
-        # A tied lm_head reads the embedding table through a Transpose the exporter keeps (the table has
-        # two users): fold it, so the quantizer sees a constant MatMul weight there too.
-        onnxscript.optimizer.fold_constants(model, output_size_limit=2**62,
-                                            should_fold=lambda node: True if node.op_type == "Transpose" else None)
-        float_path = directory / "float.onnx"
-        ir.save(model, float_path, external_data="float.onnx.data")
-        _quantize_weights(float_path, model_path, weight_block)
-        float_path.unlink()
-        (directory / "float.onnx.data").unlink()
+    ir.save(model, model_path, external_data=DATA_FILE)
     fallback = make_fallback(onnx.load(model_path, load_external_data=False))
     onnx.save(fallback, directory / FALLBACK_FILE)  # initializers keep pointing at model.onnx.data
     return [model_path, directory / DATA_FILE, directory / FALLBACK_FILE]
+
+
+def _optimize(model: ir.Model) -> None:
+    """The exporter's own optimizer (constant folding, rewrite rules, dead code) with the weights hidden from it:
+    its pattern matcher reads every constant it meets, which would compute each lazy weight (a norm's weight
+    builds its whole layer) and hold it."""
+    limit = onnxscript.optimizer._constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT
+    hidden = {value: value.const_value for value in model.graph.initializers.values()
+              if isinstance(value.const_value, ir.LazyTensor) or (value.const_value is not None
+                                                                  and value.const_value.size > limit)}
+    try:
+        for value in hidden:
+            value.const_value = None
+        with _quiet():
+            onnxscript.optimizer.optimize_ir(model)
+    finally:
+        for value, tensor in hidden.items():
+            value.const_value = tensor
+
+
+@contextlib.contextmanager
+def _quiet():
+    """The IR passes log every initializer merged, node removed and rule tried at INFO, and each hidden weight
+    (_optimize) at WARNING."""
+    loggers = [logging.getLogger(name) for name in ("onnx_ir", "onnxscript")]
+    levels = [log.level for log in loggers]
+    for log in loggers:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(loggers, levels):
+            log.setLevel(level)
+
+
+def _lazy(func, dtype: ir.DataType, shape) -> ir.LazyTensor:
+    return ir.LazyTensor(lambda: ir.tensor(func()), dtype=dtype, shape=ir.Shape(shape))
+
+
+def _lazy_weights(model: ir.Model, weights) -> None:
+    """Initializers traced from the meta device get their values from `weights`: small ones (norms, rotations)
+    now, so the optimizer can fold them, the others on demand. The rest are real already."""
+    limit = onnxscript.optimizer._constant_folding.DEFAULT_CONSTANT_FOLD_INPUT_SIZE_LIMIT
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if not (isinstance(getattr(tensor, "raw", None), torch.Tensor) and tensor.raw.device.type == "meta"):
+            continue
+        if weights is None:
+            raise OscarInputError(f"ONNX export: weight {value.name!r} has no data and no source was given")
+        if tensor.size <= limit:
+            value.const_value = ir.tensor(weights(value.name).numpy(), name=value.name)
+        else:
+            value.const_value = _lazy(lambda name=value.name: weights(name).numpy(), value.dtype, value.shape)
+
+
+def _fold_weight_transposes(model: ir.Model) -> None:
+    """MatMul(x, Transpose(W)) -> MatMul(x, W^T) with W^T a lazy initializer of its own, as constant folding
+    would make it, without holding it."""
+    graph = model.graph
+    for node in list(graph):
+        source = node.inputs[0] if node.op_type == "Transpose" and node.inputs else None
+        perm = node.attributes.get_ints("perm", [1, 0]) if node.op_type == "Transpose" else None
+        if source is None or not source.is_initializer() or len(source.shape) != 2 or list(perm) != [1, 0]:
+            continue
+        rows, cols = source.shape
+        weight = source.const_value
+        folded = ir.Value(name=f"{source.name}.T", shape=ir.Shape([cols, rows]), type=ir.TensorType(source.dtype),
+                          const_value=_lazy(lambda w=weight: np.ascontiguousarray(w.numpy().T), source.dtype,
+                                            [cols, rows]))
+        graph.register_initializer(folded)
+        node.outputs[0].replace_all_uses_with(folded)
+        graph.remove(node, safe=True)
 
 
 # MatMulNBits computes with activations quantized to int8 per block (MLAS CompInt8), as llama.cpp's q4 x q8 dots
@@ -81,58 +161,91 @@ def export_onnx(module: OscarCausalLM, directory: Path, max_context: int, max_ch
 ACCURACY_LEVEL = 4
 
 
-def _quantize_weights(src: Path, dst: Path, block: int) -> None:
-    """MatMul weights with ONNX Runtime's own quantizer (MatMulNBits, asymmetric, blocks of `block`, int8
-    activations): 4-bit, except the lm_head at 8 bits. A 4-bit head flips a small model's answers (SmolLM2-135M: "La France, ..."
-    for "Paris"), and llama.cpp's 4-bit files keep it at 8 bits too (Q8_0)."""
-    from onnxruntime.quantization import matmul_nbits_quantizer
+def _quantize_weights(model: ir.Model, block: int) -> None:
+    """MatMul weights with ONNX Runtime's own block quantizer (MatMulNBits, asymmetric, blocks of `block`, int8
+    activations): 4-bit, except the lm_head at 8 bits. A 4-bit head flips a small model's answers (SmolLM2-135M:
+    "La France, ..." for "Paris"), and llama.cpp's 4-bit files keep it at 8 bits too (Q8_0). Each weight is
+    quantized when the writer asks for its codes; its scales and zero points come from the same run."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
 
-    log = logging.getLogger(matmul_nbits_quantizer.__name__)
-    level = log.level
-    log.setLevel(logging.WARNING)  # it logs every node at INFO
-    try:
-        model = onnx.load(str(src))
-        head = [_lm_head(model)]
-        body = matmul_nbits_quantizer.MatMulNBitsQuantizer(model, bits=4, block_size=block, is_symmetric=False,
-                                                           accuracy_level=ACCURACY_LEVEL, nodes_to_exclude=head)
-        body.process()
-        quantizer = matmul_nbits_quantizer.MatMulNBitsQuantizer(body.model.model, bits=8, block_size=block,
-                                                                is_symmetric=False, accuracy_level=ACCURACY_LEVEL,
-                                                                nodes_to_include=head)
-        quantizer.process()
-    finally:
-        log.setLevel(level)
-    _half_embeddings(quantizer.model.model)
-    quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
+    graph = model.graph
+    head = _lm_head(model)
+    last: dict[str, tuple] = {}  # the weight quantized last: codes, scales and zero points are written in a row
+
+    for node in list(graph):
+        weight = node.inputs[1] if node.op_type == "MatMul" else None
+        if weight is None or not weight.is_initializer() or len(weight.shape) != 2:
+            continue
+        bits = 8 if node is head else 4
+        k, n = weight.shape
+        quantizer = DefaultWeightOnlyQuantizer(DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=False,
+                                                                            bits=bits))
+
+        def quantized(part: int, weight=weight, quantizer=quantizer):
+            if weight.name not in last:
+                last.clear()
+                last[weight.name] = quantizer.qbits_block_quant(np.asarray(weight.const_value.numpy(), np.float32))
+            return last[weight.name][part]
+
+        blocks, pack = -(-k // block), 8 // bits
+        shapes = ([n, blocks, -(-block // pack)], [n, blocks], [n, -(-blocks // pack)])
+        dtypes = (ir.DataType.UINT8, ir.DataType.FLOAT, ir.DataType.UINT8)
+        inputs = [node.inputs[0]]
+        for part, (suffix, shape, dtype) in enumerate(zip((f"_Q{bits}", "_scales", "_zero_points"), shapes, dtypes)):
+            value = ir.Value(name=weight.name + suffix, shape=ir.Shape(shape), type=ir.TensorType(dtype),
+                             const_value=_lazy(lambda part=part, q=quantized: q(part), dtype, shape))
+            graph.register_initializer(value)
+            inputs.append(value)
+        nbits = ir.node("MatMulNBits", inputs, domain="com.microsoft", name=f"{node.name}_Q{bits}",
+                        attributes={"K": k, "N": n, "bits": bits, "block_size": block,
+                                    "accuracy_level": ACCURACY_LEVEL})
+        graph.insert_before(node, nbits)
+        out = node.outputs[0]
+        nbits.outputs[0].shape, nbits.outputs[0].type = out.shape, out.type
+        out.name, nbits.outputs[0].name = None, out.name
+        node.outputs[0].replace_all_uses_with(nbits.outputs[0], replace_graph_outputs=True)
+        graph.remove(node, safe=True)
 
 
-def _lm_head(model: onnx.ModelProto) -> str:
-    """Name of the MatMul that makes the logits: the one whose output reaches the graph's first output."""
-    producer = {out: node for node in model.graph.node for out in node.output}
-    node = producer.get(model.graph.output[0].name)
+def _lm_head(model: ir.Model) -> ir.Node:
+    """The MatMul that makes the logits: the one whose output reaches the graph's first output."""
+    node = model.graph.outputs[0].producer()
     while node is not None and node.op_type != "MatMul":
-        node = producer.get(node.input[0])
+        node = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
     if node is None:
         raise OscarInputError("ONNX export: no MatMul produces the logits: expected an lm_head")
-    return node.name
+    return node
 
 
-def _half_embeddings(model: onnx.ModelProto) -> None:
+def _half_embeddings(model: ir.Model) -> None:
     """Embedding tables (Gather from a float initializer) stored as fp16 and cast back after the lookup,
     as the planner counts them: half the bytes of the largest tensor MatMulNBits leaves in fp32."""
     graph = model.graph
-    uses = Counter(name for node in graph.node for name in node.input)
-    tables = {t.name: t for t in graph.initializer
-              if t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and uses[t.name] == 1}
-    nodes = []
-    for node in graph.node:
-        nodes.append(node)
-        if node.op_type != "Gather" or node.input[0] not in tables:
+    for node in list(graph):
+        table = node.inputs[0] if node.op_type == "Gather" else None
+        if (table is None or not table.is_initializer() or table.dtype != ir.DataType.FLOAT
+                or len(table.shape) != 2 or len(table.uses()) != 1):
             continue
-        table = tables.pop(node.input[0])
-        table.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(table).astype(np.float16), table.name))
-        out = node.output[0]
-        node.output[0] = f"{out}.fp16"
-        nodes.append(helper.make_node("Cast", [node.output[0]], [out], to=TensorProto.FLOAT, name=f"{node.name}.cast"))
-    del graph.node[:]
-    graph.node.extend(nodes)
+        source = table.const_value
+        half = ir.Value(name=f"{table.name}.fp16", shape=table.shape, type=ir.TensorType(ir.DataType.FLOAT16),
+                        const_value=_lazy(lambda t=source: t.numpy().astype(np.float16), ir.DataType.FLOAT16,
+                                          list(table.shape)))
+        graph.register_initializer(half)
+        out = node.outputs[0]
+        gather = ir.node("Gather", [half, *node.inputs[1:]], attributes=node.attributes, name=node.name)
+        cast = ir.node("Cast", gather.outputs, attributes={"to": ir.DataType.FLOAT}, name=f"{node.name}.cast")
+        graph.insert_after(node, [gather, cast])
+        cast.outputs[0].name, cast.outputs[0].shape, cast.outputs[0].type = out.name, out.shape, out.type
+        out.name = None
+        out.replace_all_uses_with(cast.outputs[0], replace_graph_outputs=True)
+        graph.remove(node, safe=True)
+
+
+def quantize_file(src: Path, dst: Path, block: int) -> None:
+    """An ONNX file's MatMul weights as the laptop artifact stores them, into another file (its data beside it)."""
+    model = ir.load(src)
+    _quantize_weights(model, block)
+    _half_embeddings(model)
+    with _quiet():
+        ir.passes.common.RemoveUnusedNodesPass()(model)
+    ir.save(model, dst, external_data=Path(dst).name + ".data")

@@ -31,7 +31,6 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ...codec import quantize
 from ...export.artifact import load_manifest
 from ...config import OscarConfig, OscarInputError
 from ...ops.attention import CACHE_NAMES
@@ -46,22 +45,6 @@ WEIGHTS = "float32 in every variant"
 def min_context(config: OscarConfig, steps: int) -> int:
     """Smallest context whose starting state already uses the packed body."""
     return config.sink + config.recent + WARMUP + steps + 2
-
-
-def fill_oscar_cache(cache: dict[str, np.ndarray], config: OscarConfig, length: int, rng: np.random.Generator):
-    """Write a valid state of `length` tokens (>= sink + recent) into OrtLM's buffers, in place: they stay bound."""
-    rows = length - config.sink - config.recent
-    for name, array in cache.items():
-        layer, buffer = name.split(".")
-        kind, region = buffer.split("_")
-        if region in ("sink", "recent"):
-            array[...] = rng.standard_normal(array.shape, dtype=np.float32)
-        elif region == "codes":
-            heads, _, head_dim = cache[f"{layer}.{kind}_sink"].shape
-            x = torch.from_numpy(rng.standard_normal((heads, rows, head_dim), dtype=np.float32))
-            packed = quantize(x, config.bits(kind), config.cluster_dim, config.clip(kind))
-            for part, values in zip(("codes", "scale", "zero"), packed):
-                cache[f"{layer}.{kind}_{part}"][:, :rows] = values.numpy()
 
 
 def oscar_decoder(directory: Path, model_name: str, context: int, config: OscarConfig, threads: int,
@@ -251,12 +234,17 @@ def _step_times(steppers: dict, token: int, steps: int) -> dict[str, list[float]
 
 def save_decoder(model: onnx.ModelProto, path: Path, float_weights: bool) -> None:
     """An fp32-cache graph, its weights as given or as the laptop artifact stores them (4-bit MatMulNBits)."""
-    onnx.save(model, path, save_as_external_data=True, location=path.name + ".data")
-    if not float_weights:
-        from . import LaptopTarget
-        from .onnx_export import _quantize_weights
+    if float_weights:
+        onnx.save(model, path, save_as_external_data=True, location=path.name + ".data")
+        return
+    from . import LaptopTarget
+    from .onnx_export import quantize_file
 
-        _quantize_weights(path, path, LaptopTarget.options.weight_block)
+    float_path = path.with_name(f"float.{path.name}")
+    onnx.save(model, float_path, save_as_external_data=True, location=float_path.name + ".data")
+    quantize_file(float_path, path, LaptopTarget.options.weight_block)
+    float_path.unlink()
+    float_path.with_name(float_path.name + ".data").unlink()
 
 
 def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_name: str = "bundled",
@@ -291,8 +279,7 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
         for context in contexts:
             length = context - WARMUP - steps - 1
             oscar = oscar_decoder(work / f"oscar-{context}", model_name, context, config, threads, float_weights)
-            fill_oscar_cache(oscar.cache, config, length, rng)
-            oscar.length = length
+            oscar.fill_synthetic(length, config, rng)
             heads, _, head_dim = oscar.cache["layer0.k_sink"].shape
             layers = len(oscar.cache) // len(CACHE_NAMES)
             past = [rng.standard_normal((1, heads, length, head_dim), dtype=np.float32) for _ in range(2 * layers)]
