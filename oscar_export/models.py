@@ -189,6 +189,8 @@ def load_model(name_or_path: str = "bundled", offload_folder=None, max_memory: s
         if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
             raise OscarInputError(f"model {name_or_path!r}: config.json but no weights (*.safetensors, *.bin) "
                                   "there: expected a complete checkpoint directory")
+    if offload_folder is None:
+        _check_fits_in_memory(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
     if offload_folder is not None:
         kwargs.update(device_map="auto", offload_folder=str(offload_folder))
@@ -196,3 +198,32 @@ def load_model(name_or_path: str = "bundled", offload_folder=None, max_memory: s
             kwargs["max_memory"] = {"cpu": max_memory}
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32", **kwargs)
     return model.eval(), tokenizer
+
+
+def fp32_bytes(shape: ModelShape) -> int:
+    """Bytes of the model's weights in fp32, as load_model holds them."""
+    layer = shape.hidden * shape.head_dim * 2 * (shape.q_heads + shape.kv_heads) + 3 * shape.hidden * shape.intermediate
+    tables = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)
+    return 4 * (shape.layers * layer + tables)
+
+
+def available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes; None where there is none (not Linux)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _check_fits_in_memory(name_or_path: str) -> None:
+    """A model whose fp32 weights exceed the memory available fails here with what to do, not in the kernel's
+    out-of-memory killer minutes later."""
+    need, have = fp32_bytes(model_shape(name_or_path)), available_memory()
+    if have is not None and need > have:
+        raise OscarInputError(
+            f"model {name_or_path!r}: its weights take {need / 2**30:.1f} GiB in fp32 and {have / 2**30:.1f} GiB "
+            "are available: expected a model that fits, or --target laptop (streams a safetensors checkpoint layer "
+            "by layer) with --rotations hadamard or a rotation file calibrated on a larger machine")

@@ -78,3 +78,19 @@ def test_plan_json_of_a_gguf_file(gguf_file, capsys):
     assert main(["plan", "--model", str(gguf_file), "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] and plan["kv_bytes_per_token"] > 0
+
+
+def test_a_model_larger_than_memory_is_refused_before_loading(monkeypatch, tmp_path):
+    from oscar_export import models
+
+    shape = model_shape("bundled")
+    layer = shape.hidden * shape.head_dim * 2 * (shape.q_heads + shape.kv_heads) + 3 * shape.hidden * shape.intermediate
+    assert models.fp32_bytes(shape) == 4 * (shape.layers * layer + shape.vocab * shape.hidden)  # tied: one table
+    assert sum(p.numel() for p in load_model("bundled")[0].parameters() if p.dim() == 2) * 4 == models.fp32_bytes(shape)
+    monkeypatch.setattr(models, "available_memory", lambda: models.fp32_bytes(shape) - 1)
+    with pytest.raises(OscarInputError, match=r"GiB in fp32 .* --target laptop \(streams"):
+        load_model("bundled")
+    # A streamed export never loads the whole model: the same limit does not stop it.
+    manifest = export_artifact("laptop", "bundled", tmp_path / "art", rotations="hadamard", max_context=512)
+    assert manifest["target"] == "laptop" and (tmp_path / "art" / "model.onnx").is_file()
+    assert models.fp32_bytes(model_shape("llama-3-8b")) / 2**30 == pytest.approx(29.9, abs=0.05)  # 8.03B params

@@ -72,6 +72,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.artifact is not None:
         return _bench_artifact(args)
+    if args.what == "memory":
+        raise OscarInputError("bench memory measures a shipped artifact: expected --artifact DIR")
+    if args.device_memory:
+        raise OscarInputError("bench --device-memory judges an artifact's memory: expected bench memory --artifact")
     for flag, value in (("--gguf", args.gguf), ("--profile", args.profile)):
         if value:
             raise OscarInputError(f"bench {flag} measures a shipped artifact: expected --artifact DIR with it")
@@ -87,7 +91,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if missing:
         raise OscarInputError(f"bench --runtime {args.runtime}: {missing}")
     request = BenchRequest(contexts(args.context or "4096,32768"), args.model, config_from_args(args),
-                           args.threads or None, args.steps, args.float_weights)
+                           args.threads or None, args.steps or 64, args.float_weights)
     report = target.bench(args.what, request)
     if args.json:
         print(json.dumps(report, indent=2))
@@ -99,15 +103,33 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_artifact(args: argparse.Namespace) -> int:
     from ..export.decode_bench import bench_artifact_decode, print_artifact_decode
 
+    if args.what == "memory":
+        return _bench_memory(args)
     if args.what != "decode":
-        raise OscarInputError(f"bench {args.what} --artifact: expected 'bench decode' (an artifact's decode speed)")
-    report = bench_artifact_decode(args.artifact, args.context and contexts(args.context), args.steps,
+        raise OscarInputError(f"bench {args.what} --artifact: expected 'bench decode' (an artifact's decode speed) "
+                              "or 'bench memory' (its run-time memory)")
+    report = bench_artifact_decode(args.artifact, args.context and contexts(args.context), args.steps or 64,
                                    args.threads or None,
                                    args.repeats, args.gguf, args.runtime, args.profile)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
         print_artifact_decode(report)
+    return 0
+
+
+def _bench_memory(args: argparse.Namespace) -> int:
+    from ..export.memory_bench import bench_artifact_memory, print_artifact_memory
+
+    context = contexts(args.context) if args.context else [None]
+    if len(context) != 1:
+        raise OscarInputError(f"bench memory --context {args.context}: expected one context")
+    report = bench_artifact_memory(args.artifact, context[0], args.steps or 4, args.threads or None, args.runtime,
+                                   args.device_memory)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_artifact_memory(report)
     return 0
 
 
@@ -135,10 +157,13 @@ def add_target_commands(sub) -> None:
                        description="attention: decode-attention latency of the OSCAR op against the runtime's own "
                                    "attention over the same context. decode: end-to-end decode tokens/s of the "
                                    "exported model with the OSCAR cache against an fp32 KV cache. Same threads, "
-                                   "measured in one run.")
-    p.add_argument("what", choices=tuple(dict.fromkeys(k for t in runtimes.values() for k in t.bench_kinds)))
-    p.add_argument("--steps", type=positive_int, default=64,
-                   help="decode: timed greedy steps per context (default %(default)s)")
+                                   "measured in one run. memory (--artifact): the artifact's peak run-time memory "
+                                   "with its cache full, in a fresh process, against the planner's numbers.")
+    p.add_argument("what", choices=(*dict.fromkeys(k for t in runtimes.values() for k in t.bench_kinds), "memory"))
+    p.add_argument("--steps", type=positive_int,
+                   help="decode: timed greedy steps per context (default 64); memory: decode steps (default 4)")
+    p.add_argument("--device-memory", help="memory: judge the peak against this device (e.g. 8GB) less the "
+                                           "planner's reserve (default: the artifact's plan)")
     p.add_argument("--runtime", choices=tuple(runtimes),
                    help="runtime whose kernels and baselines are timed (default: the first installed one that "
                         "measures WHAT: " + ", ".join(f"{r} ({'/'.join(t.bench_kinds)})" for r, t in runtimes.items())

@@ -342,6 +342,11 @@ class GreedyLM:
     def step(self, ids) -> np.ndarray:
         raise NotImplementedError
 
+    def fill_synthetic(self, length: int, config: OscarConfig, rng: np.random.Generator) -> None:
+        """A valid cache state of `length` tokens without running the model (bench memory)."""
+        raise OscarInputError(f"{type(self).__name__} cannot write a synthetic cache state: expected a laptop "
+                              "artifact on onnxruntime")
+
     def prefill(self, ids) -> np.ndarray:
         ids = list(ids)
         if not ids:
