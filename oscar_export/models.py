@@ -60,6 +60,11 @@ class ModelShape:
     qkv_bias: bool
     max_position_embeddings: int | None
 
+    @property
+    def layer_params(self) -> int:
+        """Weights of one decoder layer's linear maps: q, k, v, o and the three MLP matrices."""
+        return self.hidden * self.head_dim * 2 * (self.q_heads + self.kv_heads) + 3 * self.hidden * self.intermediate
+
     @classmethod
     def from_hf_config(cls, name: str, cfg: dict) -> "ModelShape":
         cfg = cfg.get("text_config", cfg)  # multimodal wrappers nest the language model
@@ -202,9 +207,8 @@ def load_model(name_or_path: str = "bundled", offload_folder=None, max_memory: s
 
 def fp32_bytes(shape: ModelShape) -> int:
     """Bytes of the model's weights in fp32, as load_model holds them."""
-    layer = shape.hidden * shape.head_dim * 2 * (shape.q_heads + shape.kv_heads) + 3 * shape.hidden * shape.intermediate
     tables = shape.vocab * shape.hidden * (1 if shape.tied_embeddings else 2)
-    return 4 * (shape.layers * layer + tables)
+    return 4 * (shape.layers * shape.layer_params + tables)
 
 
 def available_memory() -> int | None:

@@ -38,10 +38,8 @@ def weight_bytes(
     def _matrix_bytes(params: int, bits: int) -> int:
         return params * 2 if bits >= 16 else params * bits // 8 + -(-params // group) * (4 if zero_points else 2)
 
-    attn = shape.hidden * shape.head_dim * (2 * shape.q_heads + 2 * shape.kv_heads)
-    mlp = 3 * shape.hidden * shape.intermediate
     parts = {
-        "linear": shape.layers * _matrix_bytes(attn + mlp, weight_bits),
+        "linear": shape.layers * _matrix_bytes(shape.layer_params, weight_bits),
         "embeddings": _matrix_bytes(shape.vocab * shape.hidden, embedding_bits),
         # A tied lm_head shares the embedding table only at the same precision; a quantized
         # matmul cannot read a 16-bit lookup table, so exports store a quantized copy.

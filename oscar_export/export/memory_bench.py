@@ -42,7 +42,7 @@ def measure(directory, context: int, steps: int, threads: int, runtime: str | No
     runner = target.runner(directory, manifest, runtime, threads)
     load_s = time.perf_counter() - start
     after_load = _status("VmRSS")
-    runner.fill_synthetic(context - steps, OscarConfig(**manifest["config"]), np.random.default_rng(0))
+    runner.fill_synthetic(context - steps, OscarConfig.from_dict(manifest["config"]), np.random.default_rng(0))
     after_fill = _status("VmRSS")
     token, times = 1, []
     for _ in range(steps):

@@ -35,13 +35,14 @@ def export_artifact(target: str | Target, model_name: str, out, rotations="hadam
     shape = model_shape(model_name)
     max_context = default_context(shape, max_context)
     target.check(options, config_fields, max_context)
-    streamed = target.streams_weights and not is_gguf(model_name) and is_streamable(model_dir(model_name))
-    model, tokenizer = meta_model(model_dir(model_name)) if streamed else load_model(model_name)
+    checkpoint = None if is_gguf(model_name) else model_dir(model_name)
+    streamed = target.streams_weights and checkpoint is not None and is_streamable(checkpoint)
+    model, tokenizer = meta_model(checkpoint) if streamed else load_model(model_name)
     max_chunk = min(options.max_chunk, max_context)
     resolved = resolve_rotations(rotations, model)
     config = config_for(resolved, shape.head_dim, **config_fields)
     module = OscarCausalLM(model, config, resolved).eval()
-    weights = StreamedWeights(module, model, model_dir(model_name)) if streamed else None
+    weights = StreamedWeights(module, model, checkpoint) if streamed else None
     lowered = target.lower(module, model, tokenizer, max_context, max_chunk, float_weights, options, weights)
     with staged(out) as temp:
         lowered.write(temp)

@@ -60,7 +60,7 @@ class Shards:
 
 
 def is_streamable(name_or_path: str) -> bool:
-    """A local safetensors checkpoint directory (not the bundled model's alias, not a GGUF file)."""
+    """A local safetensors checkpoint directory (the bundled model's too, once resolved by models.model_dir)."""
     path = Path(name_or_path).expanduser()
     return path.is_dir() and ((path / INDEX_FILE).is_file() or (path / SINGLE_FILE).is_file())
 
@@ -111,12 +111,9 @@ class StreamedWeights:
     def __call__(self, name: str) -> torch.Tensor:
         if name in self.buffers:
             return self.buffers[name]
-        if name in self.shared:
-            for candidate in self.shared[name]:
-                if candidate in self.shards:
-                    return self.shards.tensor(candidate)
-            raise OscarInputError(f"model {str(self.shards.directory)!r}: no tensor for {name!r} (looked for "
-                                  f"{self.shared[name]}): expected a complete checkpoint")
+        if name in self.shared:  # a tied lm_head: whichever of its names the checkpoint stores
+            names = self.shared[name]
+            return self.shards.tensor(next((n for n in names if n in self.shards), names[0]))
         if not name.startswith("layers."):
             raise OscarInputError(f"streamed export: {name!r} is neither a checkpoint tensor nor a layer's")
         index, rest = name[len("layers."):].split(".", 1)

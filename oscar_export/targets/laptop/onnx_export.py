@@ -71,11 +71,11 @@ def export_onnx(module: OscarCausalLM, directory: Path, max_context: int, max_ch
     _lazy_weights(model, weights)
     _optimize(model)
     _fold_weight_transposes(model)
-    if not float_weights:
-        _quantize_weights(model, weight_block)
-        _half_embeddings(model)
-    with _quiet():
-        ir.passes.common.RemoveUnusedNodesPass()(model)
+    if float_weights:
+        with _quiet():
+            ir.passes.common.RemoveUnusedNodesPass()(model)
+    else:
+        _artifact_weights(model, weight_block)
     model_path = directory / MODEL_FILE
     ir.save(model, model_path, external_data=DATA_FILE)
     fallback = make_fallback(onnx.load(model_path, load_external_data=False))
@@ -198,11 +198,7 @@ def _quantize_weights(model: ir.Model, block: int) -> None:
                         attributes={"K": k, "N": n, "bits": bits, "block_size": block,
                                     "accuracy_level": ACCURACY_LEVEL})
         graph.insert_before(node, nbits)
-        out = node.outputs[0]
-        nbits.outputs[0].shape, nbits.outputs[0].type = out.shape, out.type
-        out.name, nbits.outputs[0].name = None, out.name
-        node.outputs[0].replace_all_uses_with(nbits.outputs[0], replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        _replace(graph, node, nbits.outputs[0])
 
 
 def _lm_head(model: ir.Model) -> ir.Node:
@@ -229,21 +225,31 @@ def _half_embeddings(model: ir.Model) -> None:
                         const_value=_lazy(lambda t=source: t.numpy().astype(np.float16), ir.DataType.FLOAT16,
                                           list(table.shape)))
         graph.register_initializer(half)
-        out = node.outputs[0]
         gather = ir.node("Gather", [half, *node.inputs[1:]], attributes=node.attributes, name=node.name)
         cast = ir.node("Cast", gather.outputs, attributes={"to": ir.DataType.FLOAT}, name=f"{node.name}.cast")
         graph.insert_after(node, [gather, cast])
-        cast.outputs[0].name, cast.outputs[0].shape, cast.outputs[0].type = out.name, out.shape, out.type
-        out.name = None
-        out.replace_all_uses_with(cast.outputs[0], replace_graph_outputs=True)
-        graph.remove(node, safe=True)
+        _replace(graph, node, cast.outputs[0])
 
 
-def quantize_file(src: Path, dst: Path, block: int) -> None:
-    """An ONNX file's MatMul weights as the laptop artifact stores them, into another file (its data beside it)."""
-    model = ir.load(src)
+def _replace(graph: ir.Graph, node: ir.Node, value: ir.Value) -> None:
+    """`value` takes the place of node's single output (its name, shape and type, every use); node goes."""
+    out = node.outputs[0]
+    value.shape, value.type = out.shape, out.type
+    out.name, value.name = None, out.name
+    out.replace_all_uses_with(value, replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+
+
+def _artifact_weights(model: ir.Model, block: int) -> None:
+    """MatMul weights and embedding tables as the laptop artifact stores them, the float ones dropped."""
     _quantize_weights(model, block)
     _half_embeddings(model)
     with _quiet():
         ir.passes.common.RemoveUnusedNodesPass()(model)
+
+
+def quantize_file(src: Path, dst: Path, block: int) -> None:
+    """An ONNX file's weights as the laptop artifact stores them, into another file (its data beside it)."""
+    model = ir.load(src)
+    _artifact_weights(model, block)
     ir.save(model, dst, external_data=Path(dst).name + ".data")
