@@ -343,9 +343,38 @@ class GreedyLM:
         raise NotImplementedError
 
     def fill_synthetic(self, length: int, config: OscarConfig, rng: np.random.Generator) -> None:
-        """A valid cache state of `length` tokens without running the model (bench memory)."""
+        """A valid cache state of `length` tokens in place of this one, before any step: fp16 windows of random
+        rows, a packed body (past sink + recent) of random rows quantized by the reference codec. Decode cost does
+        not depend on the values, and prefilling a long context takes minutes to hours on a laptop CPU. One KV
+        head at a time, so the state costs no more memory than the buffers it fills.
+        """
+        from ..codec import quantize
+
+        cache = self.writable_cache()
+        if self.length:
+            raise OscarInputError("fill_synthetic: expected a fresh runner, before any step")
+        rows = max(length - config.sink - config.recent, 0)
+        if not 0 < length <= self.max_context:
+            raise OscarInputError(f"synthetic length {length}: expected 0 < length <= max_context = "
+                                  f"{self.max_context}")
+        for name, array in cache.items():
+            layer, buffer = name.split(".")
+            kind, region = buffer.split("_")
+            if region in ("sink", "recent"):
+                array[...] = rng.standard_normal(array.shape, dtype=np.float32)
+            elif region == "codes" and rows:
+                head_dim = cache[f"{layer}.{kind}_sink"].shape[2]
+                for head in range(array.shape[0]):
+                    x = torch.from_numpy(rng.standard_normal((rows, head_dim), dtype=np.float32))
+                    packed = quantize(x, config.bits(kind), config.cluster_dim, config.clip(kind))
+                    for part, values in zip(("codes", "scale", "zero"), packed):
+                        cache[f"{layer}.{kind}_{part}"][head, :rows] = values.numpy()
+        self.length = length
+
+    def writable_cache(self) -> dict[str, np.ndarray]:
+        """The buffers the runtime reads the cache from, as arrays written in place, by layer{i}.{name}."""
         raise OscarInputError(f"{type(self).__name__} cannot write a synthetic cache state: expected a laptop "
-                              "artifact on onnxruntime")
+                              "or android artifact")
 
     def prefill(self, ids) -> np.ndarray:
         ids = list(ids)

@@ -9,8 +9,10 @@ one layer in fp32 plus the largest single tensor (the embedding table), whatever
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -119,6 +121,23 @@ class StreamedWeights:
         index, rest = name[len("layers."):].split(".", 1)
         return self._layer(int(index))[rest]
 
+    def materialize(self, prepare_rest: Callable, prepare_layer: Callable) -> None:
+        """Give the module real weights in place, part by part: first its tensors outside the layers (embedding
+        tables, final norm, lm_head; the largest, read while nothing else is held), then each decoder layer.
+        prepare_rest(module) and prepare_layer(layer) run as soon as a part holds its weights, so a target that
+        quantizes there holds one part in fp32 at a time. Each part is a copy, made on the meta device, of what
+        the graph shared with the Hugging Face skeleton: no weight stays reachable from the skeleton."""
+        for name, child in list(self.module.named_children()):
+            if name != "layers" and _meta_names(child):
+                setattr(self.module, name, copy.deepcopy(child))
+        _assign(self.module, {n: self(n) for n in _meta_names(self.module) if not n.startswith("layers.")})
+        prepare_rest(self.module)
+        for i in range(len(self.module.layers)):
+            layer = self.module.layers[i] = copy.deepcopy(self.module.layers[i])
+            _assign(layer, {n: self(f"layers.{i}.{n}") for n in _meta_names(layer)})
+            prepare_layer(layer)
+        self.built = None
+
     def _layer(self, i: int) -> dict[str, torch.Tensor]:
         """Layer i's folded tensors (v_proj, o_proj): its block is rebuilt with only those read, the rest meta."""
         if self.built is None or self.built[0] != i:
@@ -133,3 +152,12 @@ class StreamedWeights:
                 layer = self.module.decoder_layer(block, i)
             self.built = (i, {n: t.detach() for n, t in layer.state_dict().items() if t.device.type != "meta"})
         return self.built[1]
+
+
+def _meta_names(module) -> list[str]:
+    """Names of the module's parameters still on the meta device (a tied one under each of its names)."""
+    return [n for n, p in module.named_parameters(remove_duplicate=False) if p.device.type == "meta"]
+
+
+def _assign(module, tensors: dict[str, torch.Tensor]) -> None:
+    module.load_state_dict(tensors, assign=True, strict=False)

@@ -94,6 +94,37 @@ def test_streamed_export_writes_the_in_memory_export_bit_for_bit(narrow, tmp_pat
         assert len(x) == len(y) and all(np.array_equal(p, q) for p, q in zip(x, y))
 
 
+def _flat(tensor):
+    """A plain tensor, or the plain tensors a torchao weight is made of (its codes, scales, zero points)."""
+    if type(tensor) is torch.Tensor:
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [getattr(tensor, name) for name in names]
+
+
+def test_android_streamed_weights_equal_the_in_memory_ones(narrow):
+    """Quantized part by part as the shards are read: the same torchao weights as quantizing the loaded model,
+    and the meta skeleton keeps no weight of its own."""
+    pytest.importorskip("torchao")
+    from oscar_export.targets.android import _quantize_artifact_weights
+
+    config = OscarConfig()
+    model, _ = load_model(str(narrow))
+    memory = OscarCausalLM(model, config, "hadamard").eval()
+    _quantize_artifact_weights(memory, 32)
+    meta, _ = meta_model(narrow)
+    streamed = OscarCausalLM(meta, config, "hadamard").eval()
+    _quantize_artifact_weights(streamed, 32, StreamedWeights(streamed, meta, narrow))
+    a, b = memory.state_dict(), streamed.state_dict()
+    assert sorted(a) == sorted(b)
+    assert type(b["layers.1.mlp.down_proj.weight"]).__name__ == "IntxUnpackedToInt8Tensor"
+    assert b["embed_tokens.weight"].dtype == torch.float16
+    for name in a:
+        x, y = _flat(a[name]), _flat(b[name])
+        assert len(x) == len(y) and all(torch.equal(p, q) for p, q in zip(x, y)), name
+    assert all(p.device.type == "meta" for p in meta.parameters())
+
+
 def test_streamed_export_names_a_missing_tensor(narrow, tmp_path):
     broken = tmp_path / "broken"
     broken.mkdir()

@@ -107,6 +107,26 @@ def test_cache_after_prefill_matches_the_reference(float_artifact, reference, pr
     assert_within_bounds(body_mismatches(pairs, {"k": CONFIG["k_bits"], "v": CONFIG["v_bits"]}), "executorch")
 
 
+def test_synthetic_cache_state_decodes_like_the_eager_module(float_artifact, module):
+    """bench memory's state (written through the program's own buffers) against the eager module on copies."""
+    lm = EtLM(float_artifact, threads=1)
+    length = CONTEXT - 5
+    lm.fill_synthetic(length, OscarConfig(**CONFIG), np.random.default_rng(1))
+    got = lm.cache_arrays()
+    assert np.abs(got["cache.3.v_codes"][:, :length - 48]).max() > 0 and lm.length == length
+    cache = [torch.from_numpy(got[f"cache.{layer}.{name}"].copy()) for layer in range(4) for name in CACHE_NAMES]
+    token = 7
+    for step in range(3):
+        have = lm.step([token])
+        with torch.no_grad():
+            want = module(torch.tensor([[token]]), torch.tensor([length + step]), *cache)[0, -1].numpy()
+        # Float weights: XNNPACK's and torch's fp32 GEMMs differ in summation order only.
+        assert np.abs(have - want).max() <= 1e-3 * np.abs(want).max(), f"step {step}"
+        token = int(want.argmax())
+    with pytest.raises(OscarInputError, match="fresh runner"):
+        lm.fill_synthetic(length, OscarConfig(**CONFIG), np.random.default_rng(1))
+
+
 def test_runner_metadata(float_artifact):
     program = EtLM(float_artifact).program
     want = {"get_max_seq_len": 200, "get_max_context_len": CONTEXT, "use_kv_cache": True,

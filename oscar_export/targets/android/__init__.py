@@ -61,18 +61,18 @@ class ExecuTorchLM(nn.Module):
         return self.lm(tokens, input_pos, *self.cache_buffers())
 
 
-def quantize_weights(module: nn.Module, group_size: int) -> int:
-    """torchao 8-bit dynamic activations, 4-bit grouped weights on every Linear whose inputs divide into
-    groups (XNNPACK runs them); returns how many were quantized."""
+def quantize_weights(module: nn.Module, group_size: int, linears: list[nn.Linear] | None = None) -> int:
+    """torchao 8-bit dynamic activations, 4-bit grouped weights on the module's linears (`linears`: only these)
+    whose inputs divide into groups (XNNPACK runs them); returns how many were quantized."""
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, quantize_
     from torchao.quantization.granularity import PerGroup
 
-    chosen = [m for m in module.modules() if isinstance(m, nn.Linear) and m.in_features % group_size == 0]
-    if not chosen:
-        raise OscarInputError(f"--group-size {group_size}: no linear layer has a multiple of {group_size} inputs")
-    quantize_(module, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
-                                                           weight_granularity=PerGroup(group_size)),
-              filter_fn=lambda m, fqn: any(m is c for c in chosen))
+    candidates = linears if linears is not None else [m for m in module.modules() if isinstance(m, nn.Linear)]
+    chosen = [m for m in candidates if m.in_features % group_size == 0]
+    if chosen:
+        quantize_(module, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
+                                                               weight_granularity=PerGroup(group_size)),
+                  filter_fn=lambda m, fqn: any(m is c for c in chosen))
     return len(chosen)
 
 
@@ -147,6 +147,7 @@ class AndroidTarget(Target):
                 "stock-runner": "ExecuTorch's C++ TextLLMRunner, as an Android app runs it (tokens only)"}
     bench_kinds = ("attention",)
     float_weights_help = "keep float weights (default: 4-bit grouped weights, 8-bit dynamic activations)"
+    streams_weights = True
 
     def add_export_flags(self, parser):
         parser.add_argument("--group-size", type=int, default=self.options.group_size,
@@ -163,7 +164,9 @@ class AndroidTarget(Target):
 
         library = executorch_library_path()  # fail before minutes of lowering when the kernel cannot be built
         if not float_weights:
-            _quantize_artifact_weights(module, options.group_size)
+            _quantize_artifact_weights(module, options.group_size, weights)
+        elif weights is not None:
+            weights.materialize(lambda root: None, lambda layer: None)
         program = lower(ExecuTorchLM(module, max_context).eval(), max_context, max_chunk,
                         runner_metadata(model, tokenizer, max_context, max_chunk))
 
@@ -243,9 +246,28 @@ class AndroidTarget(Target):
                   f"({r['speedup_vs_int8']:.2f}x)")
 
 
-def _quantize_artifact_weights(module: nn.Module, group_size: int) -> None:
-    quantize_weights(module, group_size)  # a tied lm_head becomes its own 4-bit copy first
-    module.embed_tokens = HalfEmbedding(module.embed_tokens)
+def _quantize_artifact_weights(module: nn.Module, group_size: int, weights=None) -> None:
+    """4-bit linears and an fp16 embedding table. weights (a streamed export): the module is on the meta device
+    and each part is quantized as soon as it is read, so the model never exists in fp32 as a whole."""
+    count = 0
+
+    def rest(root):
+        nonlocal count
+        count += quantize_weights(root, group_size, [root.lm_head])  # a tied lm_head becomes its own 4-bit copy
+        root.embed_tokens = HalfEmbedding(root.embed_tokens)
+
+    def layer(part):
+        nonlocal count
+        count += quantize_weights(part, group_size)
+
+    if weights is None:
+        for part in module.layers:
+            layer(part)
+        rest(module)
+    else:
+        weights.materialize(rest, layer)
+    if not count:
+        raise OscarInputError(f"--group-size {group_size}: no linear layer has a multiple of {group_size} inputs")
 
 
 register(AndroidTarget())

@@ -117,6 +117,10 @@ class EtLM(GreedyLM):
         """The cache as it is now, by buffer name (cache.{layer}.k_codes ...)."""
         return {name: self.method.get_attribute(name).numpy().copy() for name in self.cache_names}
 
+    def writable_cache(self) -> dict[str, np.ndarray]:
+        # get_attribute aliases the program's mutable buffers: writing its arrays writes the cache the op reads.
+        return {"layer" + name[len("cache."):]: self.method.get_attribute(name).numpy() for name in self.cache_names}
+
     def body_codes(self) -> dict[str, np.ndarray]:
         return {"layer" + name[len("cache."):]: array for name, array in self.cache_arrays().items()
                 if name.endswith("_codes")}

@@ -97,34 +97,10 @@ class OrtLM(GreedyLM):
         self.length += ids.shape[1]
         return outputs[0].numpy()[0, -1]
 
-    def fill_synthetic(self, length: int, config, rng: np.random.Generator) -> None:
-        """A valid cache state of `length` tokens in place of this one, before any step: fp16 windows of random
-        rows, a packed body (past sink + recent) of random rows quantized by the reference codec. Decode cost does
-        not depend on the values, and prefilling a long context takes minutes to hours on a laptop CPU. One KV
-        head at a time, so the state costs no more memory than the buffers it fills."""
-        import torch
-
-        from ...codec import quantize
-
-        if self.length or self._values is not None:
-            raise OscarInputError("fill_synthetic: expected a fresh runner, before any step")
-        rows = max(length - config.sink - config.recent, 0)
-        if not 0 < length <= self.max_context:
-            raise OscarInputError(f"synthetic length {length}: expected 0 < length <= max_context = "
-                                  f"{self.max_context}")
-        for name, array in self.cache.items():
-            layer, buffer = name.split(".")
-            kind, region = buffer.split("_")
-            if region in ("sink", "recent"):
-                array[...] = rng.standard_normal(array.shape, dtype=np.float32)
-            elif region == "codes" and rows:
-                head_dim = self.cache[f"{layer}.{kind}_sink"].shape[2]
-                for head in range(array.shape[0]):
-                    x = torch.from_numpy(rng.standard_normal((rows, head_dim), dtype=np.float32))
-                    packed = quantize(x, config.bits(kind), config.cluster_dim, config.clip(kind))
-                    for part, values in zip(("codes", "scale", "zero"), packed):
-                        self.cache[f"{layer}.{kind}_{part}"][head, :rows] = values.numpy()
-        self.length = length
+    def writable_cache(self) -> dict[str, np.ndarray]:
+        if self._values is not None:
+            raise OscarInputError("a synthetic cache state: expected a fresh runner, before any step")
+        return self.cache
 
     def cache_arrays(self) -> dict[str, np.ndarray]:
         """The cache as it is now, by input name (layer{i}.k_codes ...)."""
