@@ -38,6 +38,7 @@ def measure(directory, context: int, steps: int, threads: int, runtime: str | No
 
     directory, manifest, target = open_artifact(directory)
     runtime = check_runtime(target, runtime)
+    before_load = _status("VmRSS")  # the interpreter with torch: a cost of measuring from Python, not of the artifact
     start = time.perf_counter()
     runner = target.runner(directory, manifest, runtime, threads)
     load_s = time.perf_counter() - start
@@ -49,7 +50,8 @@ def measure(directory, context: int, steps: int, threads: int, runtime: str | No
         start = time.perf_counter()
         token = int(np.argmax(runner.step([token])))
         times.append(time.perf_counter() - start)
-    return {"runtime": runtime, "load_s": round(load_s, 2), "rss_after_load": after_load,
+    return {"runtime": runtime, "load_s": round(load_s, 2), "rss_before_load": before_load,
+            "rss_after_load": after_load,
             "rss_after_fill": after_fill, "rss_after_decode": _status("VmRSS"), "peak_rss": _status("VmHWM"),
             "step_ms": [round(t * 1e3, 2) for t in times],
             "decode_tokens_per_s": round(1 / float(np.median(times[1:] or times)), 3)}
@@ -100,7 +102,8 @@ def print_artifact_memory(report: dict) -> None:
           f"{report['steps']} decode steps")
     print(f"  planner: weights {plan['weights_bytes'] / gib:.2f} GiB + cache {plan['kv_bytes'] / gib:.2f} GiB = "
           f"{report['planned_bytes'] / gib:.2f} GiB (an fp16 cache: {plan['kv_bytes_fp16'] / gib:.2f} GiB)")
-    print(f"  measured: after load {report['rss_after_load'] / gib:.2f} GiB, after fill "
+    print(f"  measured: before load {report['rss_before_load'] / gib:.2f} GiB (this Python process), after load "
+          f"{report['rss_after_load'] / gib:.2f} GiB, after fill "
           f"{report['rss_after_fill'] / gib:.2f} GiB, peak {report['peak_rss'] / gib:.2f} GiB "
           f"(runtime overhead {report['overhead_bytes'] / gib:+.2f} GiB over the plan)")
     verdict = "within" if report["fits_budget"] else "OVER"

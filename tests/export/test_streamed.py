@@ -16,6 +16,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
+from memory_checks import check_bench_memory
 from oscar_export.config import OscarConfig, OscarInputError
 from oscar_export.export.graph import OscarCausalLM
 from oscar_export.export.pipeline import export_artifact
@@ -150,6 +151,8 @@ def test_planner_matches_the_artifact_and_its_runtime_cache(narrow, tmp_path):
     assert plan["weights_bytes"] <= data <= plan["weights_bytes"] * 1.03
     runtime = OrtLM(tmp_path / "art", threads=1)
     assert sum(a.nbytes for a in runtime.cache.values()) == plan["kv_bytes"]
+    check_bench_memory(tmp_path / "art")
+
 
 
 # Export peak memory, in a fresh process per depth: the in-memory export held every layer in fp32 (and its

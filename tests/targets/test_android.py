@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from memory_checks import check_bench_memory
 from model_checks import assert_within_bounds, body_mismatches
 from native_cases import same_bits
 
@@ -125,6 +126,10 @@ def test_synthetic_cache_state_decodes_like_the_eager_module(float_artifact, mod
         token = int(want.argmax())
     with pytest.raises(OscarInputError, match="fresh runner"):
         lm.fill_synthetic(length, OscarConfig(**CONFIG), np.random.default_rng(1))
+
+
+def test_bench_memory_measures_the_program(float_artifact):
+    check_bench_memory(float_artifact)
 
 
 def test_runner_metadata(float_artifact):
