@@ -85,8 +85,9 @@ class Target:
 
     def lower(self, module, model, tokenizer, max_context: int, max_chunk: int, float_weights: bool,
               options: TargetOptions, weights=None) -> Lowered:
-        """The artifact's writer. weights: None, or (streams_weights only) name -> tensor for the meta-device
-        parameters of `module`, whose `model` is then a meta-device skeleton."""
+        """The artifact's writer. weights: None, or (streams_weights only) the export/streamed.StreamedWeights of
+        `module`, built on the meta device (name -> tensor, or materialize() part by part), whose `model` is then a
+        meta-device skeleton."""
         raise NotImplementedError
 
     # -- run and parity ----------------------------------------------------------------------
