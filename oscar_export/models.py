@@ -230,5 +230,5 @@ def _check_fits_in_memory(name_or_path: str) -> None:
         raise OscarInputError(
             f"model {name_or_path!r}: its weights take {need / 2**30:.1f} GiB in fp32 and {have / 2**30:.1f} GiB "
             "are available: expected a model that fits. --target laptop (and android) streams a safetensors "
-            "checkpoint layer by layer when the export calibrates nothing: --rotations hadamard, or a rotation file calibrated on a "
-            "larger machine")
+            "checkpoint layer by layer when the export calibrates nothing: --rotations hadamard, or a rotation file "
+            "calibrated on a larger machine")

@@ -154,7 +154,6 @@ def test_planner_matches_the_artifact_and_its_runtime_cache(narrow, tmp_path):
     check_bench_memory(tmp_path / "art")
 
 
-
 # Export peak memory, in a fresh process per depth: the in-memory export held every layer in fp32 (and its
 # transposed and quantized copies); streamed, memory is one layer and the embedding table whatever the depth.
 _PEAK = """
