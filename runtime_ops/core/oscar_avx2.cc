@@ -462,6 +462,6 @@ void avx2_axpy(float* acc, float w, const float* x, int64_t n) {
 }  // namespace
 
 const BodyKernels kAvx2Kernels = {avx2_scores,   avx2_values, avx2_scale_max, avx2_exp_sum,
-                                  avx2_load_f16, avx2_dot,    avx2_axpy,      avx2_prepare};
+                                  avx2_load_f16, avx2_dot,    avx2_axpy,      avx2_prepare, "avx2"};
 
 }  // namespace oscar

@@ -17,6 +17,11 @@
 
 #include "oscar_kernels.h"
 
+#if defined(OSCAR_HAVE_NEON_DOTPROD) && defined(__linux__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
+
 namespace oscar {
 namespace {
 
@@ -127,10 +132,24 @@ bool simd_available() {
 #endif
 }
 
+#if defined(OSCAR_HAVE_NEON_DOTPROD)
+bool cpu_has_dotprod() {
+#if defined(__linux__)  // Linux and Android report the extension in the auxiliary vector
+  return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) != 0;
+#else
+  return false;  // no portable query elsewhere: keep the plain NEON set
+#endif
+}
+#endif
+
 const BodyKernels& simd_kernels() {
 #if defined(OSCAR_HAVE_AVX2)
   return kAvx2Kernels;
 #elif defined(__aarch64__)
+#if defined(OSCAR_HAVE_NEON_DOTPROD)
+  static const bool dotprod = cpu_has_dotprod();
+  if (dotprod) return kNeonDotprodKernels;
+#endif
   return kNeonKernels;
 #else
   return kScalarKernels;
@@ -662,6 +681,8 @@ Status buffer_shapes(const AttentionConfig& c, const AttentionDims& d, BufferSha
   return {};
 }
 
+const char* simd_kernel_name() { return simd_available() ? simd_kernels().name : ""; }
+
 Status oscar_attention(const AttentionArgs& a) {
   BufferShape shapes[kNumBuffers];
   if (Status st = buffer_shapes(a.config, a.dims, shapes); !st.ok()) return st;
@@ -811,6 +832,6 @@ void scalar_axpy(float* acc, float w, const float* x, int64_t n) { axpy(acc, w, 
 void no_prepare(const BodyView&, const float*, int, void*) {}
 
 const BodyKernels kScalarKernels = {scalar_scores,  scalar_values,   scalar_scale_max, scalar_exp_sum,
-                                    scalar_load_f16, scalar_dot,     scalar_axpy,      no_prepare};
+                                    scalar_load_f16, scalar_dot,     scalar_axpy,      no_prepare, "scalar"};
 
 }  // namespace oscar

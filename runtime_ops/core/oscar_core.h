@@ -81,6 +81,10 @@ struct AttentionArgs {
   int32_t pool_threads = 0;  // how many threads parallel_for runs on (0: unknown, taken as one per core)
 };
 
+// The fused kernel set that Kernel::kSimd (and kAuto) runs on this CPU: "avx2", "neon" or
+// "neon+dotprod"; empty where there is none (kSimd is then an error, kAuto runs the scalar set).
+const char* simd_kernel_name();
+
 // Element counts of the op's buffers, in the ONNX op's input order, then `out`.
 // Adapters compare what they were given against these before calling oscar_attention.
 constexpr int kNumBuffers = 16;

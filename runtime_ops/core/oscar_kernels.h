@@ -45,6 +45,7 @@ struct BodyKernels {
   // Query set-up done once per call rather than per block: writes kPreparedBytes per head
   // (32-byte aligned) that every scores() call of the call reads.
   void (*prepare)(const BodyView& body, const float* q, int heads, void* prepared);
+  const char* name;  // what simd_kernel_name() reports
 };
 
 // No per-call query set-up (the scalar kernels and the non-planar SIMD paths).
@@ -63,6 +64,9 @@ extern const BodyKernels kAvx2Kernels;  // oscar_avx2.cc, built with -mavx2 -mfm
 #endif
 #if defined(__aarch64__)
 extern const BodyKernels kNeonKernels;  // oscar_neon.cc
+#endif
+#if defined(OSCAR_HAVE_NEON_DOTPROD)
+extern const BodyKernels kNeonDotprodKernels;  // oscar_neon_dotprod.cc: the same with sdot score dots
 #endif
 
 // Value side, shared by every kernel set: scratch[(j*heads + h)*groups + g] = p[h*n + j] * scale

@@ -260,8 +260,8 @@ void test_random(int count) {
       EXPECT(c == dense, "random case %d kernel %s: cache differs from the dense path", n, kKernelNames[int(kernel)]);
     }
   }
-  std::printf("random: %d decode states, fused vs dense max relative error %.3g (simd %s)\n", count, worst,
-              simd ? "on" : "unavailable");
+  std::printf("random: %d decode states, fused vs dense max relative error %.3g (simd %s%s)\n", count, worst,
+              simd ? "on: " : "unavailable", simd_kernel_name());
 }
 
 // A stand-in for a runtime's pool: every item, in reverse order, on the calling thread.

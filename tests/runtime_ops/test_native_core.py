@@ -160,11 +160,13 @@ CROSS = "aarch64-linux-gnu-g++"
 SYSROOT = "/usr/aarch64-linux-gnu"
 
 
-def test_neon_kernels_under_qemu(golden_dirs):
+# qemu's CPU models: Cortex-A72 is ARMv8.0 (plain NEON); "max" has the ARMv8.2 dot-product extension.
+@pytest.mark.parametrize("cpu, kernels", [("cortex-a72", "neon"), ("max", "neon+dotprod")])
+def test_neon_kernels_under_qemu(golden_dirs, cpu, kernels):
     missing = [tool for tool in (CROSS, QEMU) if shutil.which(tool) is None]
     if missing or not os.path.isdir(SYSROOT):
         pytest.skip(f"{' and '.join(missing) or SYSROOT} missing: install the Debian packages "
                     "g++-aarch64-linux-gnu qemu-user to test the NEON kernels")
     build = build_native(target="aarch64")
-    out = run_core_test([QEMU, "-L", SYSROOT, str(build / CORE_TEST), "--random", "100", *golden_dirs])
-    assert "(simd on)" in out  # the NEON kernels ran, not only the scalar fallback
+    out = run_core_test([QEMU, "-cpu", cpu, "-L", SYSROOT, str(build / CORE_TEST), "--random", "100", *golden_dirs])
+    assert f"(simd on: {kernels})" in out  # that kernel set ran, not only the scalar fallback
