@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import time
 
 from ..config import OscarConfig, OscarInputError
+
+COPY_BYTES = 256 << 20  # far past any cache level, as a long context's cache is
 
 
 def check_bench_args(contexts, q_heads: int, kv_heads: int, head_dim: int, config: OscarConfig | None,
@@ -19,3 +22,37 @@ def check_bench_args(contexts, q_heads: int, kv_heads: int, head_dim: int, confi
             raise OscarInputError(f"--context {context}: expected more than sink + recent = "
                                   f"{config.sink + config.recent} tokens, so the packed body is used")
     return config, threads or os.cpu_count()
+
+
+def copy_bandwidth(threads: int) -> float:
+    """GB/s of a large copy in memory on `threads` threads (torch's copy_), counting bytes read plus bytes
+    written as STREAM's Copy does: the rate a decode step that streams its cache once could approach."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        src = torch.ones(COPY_BYTES, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)  # first touch: page faults are not bandwidth
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    return 2 * COPY_BYTES / best / 1e9
+
+
+def add_traffic(row: dict, name: str, nbytes: int, copy_gbps: float) -> None:
+    """Puts in a result row the bytes one step of `name` reads (its whole cache) and the rate it read them at,
+    also as a fraction of the copy bandwidth measured in the same run."""
+    gbps = nbytes / (row[f"{name}_ms"] * 1e6)
+    row.update({f"{name}_bytes": nbytes, f"{name}_GBps": round(gbps, 3),
+                f"{name}_fraction_of_copy": round(gbps / copy_gbps, 3)})
+
+
+def traffic_text(row: dict, name: str) -> str:
+    return (f"reads {row[f'{name}_bytes'] / 2**20:.1f} MiB at {row[f'{name}_GBps']:.1f} GB/s "
+            f"({row[f'{name}_fraction_of_copy']:.0%} of copy)")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench_checks import check_step_traffic
 from memory_checks import check_bench_memory
 from model_checks import assert_within_bounds, body_mismatches
 from native_cases import same_bits
@@ -290,3 +291,4 @@ def test_bench_attention_json(capsys):
     assert x["oscar_ms"] > 0 and x["baseline_ms"] > 0 and x["int8_ms"] > 0
     assert x["speedup"] == pytest.approx(x["baseline_ms"] / x["oscar_ms"], rel=1e-2)
     assert x["speedup_vs_int8"] == pytest.approx(x["int8_ms"] / x["oscar_ms"], rel=1e-2)
+    check_step_traffic(report, int8=True)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench_checks import check_step_traffic
 from model_checks import BOUNDS, assert_within_bounds, body_mismatches
 from backends import BACKEND, replay
 from native_cases import assert_final_cache, random_case
@@ -203,11 +204,12 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 def test_bench_attention_json(capsys):
     assert main(["bench", "attention", "--runtime", "onnxruntime", "--context", "1024,2048", "--threads", "1",
                  "--json"]) == 0
-    results = json.loads(capsys.readouterr().out)["results"]
-    assert [x["context"] for x in results] == [1024, 2048]
-    for x in results:
+    report = json.loads(capsys.readouterr().out)
+    assert [x["context"] for x in report["results"]] == [1024, 2048]
+    for x in report["results"]:
         assert x["oscar_ms"] > 0 and x["baseline_ms"] > 0
         assert x["speedup"] == pytest.approx(x["baseline_ms"] / x["oscar_ms"], rel=1e-2)
+    check_step_traffic(report)
 
 
 # -- damaged and edited artifacts: verified before anything native reads them ---------------------

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ...config import OscarInputError
+from ...export.bench import traffic_text
 from ...export.artifact import eos_ids
 from ...ops.attention import CACHE_NAMES
 from .. import BenchRequest, Lowered, Target, TargetOptions, register
@@ -239,11 +240,14 @@ class AndroidTarget(Target):
 
     def print_bench(self, what: str, request: BenchRequest, report: dict) -> None:
         print(f"decode attention, one layer of {request.model} ({report['q_heads']} q heads, {report['kv_heads']} KV "
-              f"heads, head_dim {report['head_dim']}), threads: {report['threads']}, ExecuTorch")
+              f"heads, head_dim {report['head_dim']}), threads: {report['threads']}, ExecuTorch; copy bandwidth "
+              f"{report['copy_GBps']:.1f} GB/s (read + write)")
         for r in report["results"]:
             print(f"  context {r['context']:>7}: OSCAR {r['oscar_ms']:.3f} ms, fp32 custom_sdpa {r['baseline_ms']:.3f} "
                   f"ms ({r['speedup']:.2f}x), int8 custom_quantized_sdpa {r['int8_ms']:.3f} ms "
                   f"({r['speedup_vs_int8']:.2f}x)")
+            print(f"  {'':>15}OSCAR {traffic_text(r, 'oscar')}; fp32 {traffic_text(r, 'baseline')}; "
+                  f"int8 {traffic_text(r, 'int8')}")
 
 
 def _quantize_artifact_weights(module: nn.Module, group_size: int, weights=None) -> None:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ...config import OscarConfig
-from ...export.bench import check_bench_args
+from ...export.bench import add_traffic, check_bench_args, copy_bandwidth
 from ...ops.attention import CACHE_NAMES
 
 MIN_SECONDS, MIN_RUNS = 0.5, 10
@@ -103,7 +103,8 @@ def _median_ms(loaded: tuple, inputs: list) -> float:
 def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
                     config: OscarConfig | None = None, threads: int | None = None) -> dict:
     """Median decode-step latency of the three at each context; speedup = fp32 / oscar,
-    speedup_vs_int8 = int8 / oscar."""
+    speedup_vs_int8 = int8 / oscar; the bytes each step reads and their rate against this machine's copy
+    bandwidth (measured first, same threads)."""
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  llama:: ops, AOT and runtime kernels
     from executorch.extension.pybindings import portable_lib
 
@@ -116,6 +117,7 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
     portable_lib._unsafe_reset_threadpool(threads)
     gen = torch.Generator().manual_seed(0)
     scaling = float(np.float32(head_dim**-0.5))
+    copy_gbps = copy_bandwidth(threads)
 
     def randn(*shape, scale=1.0):
         return torch.randn(*shape, generator=gen) * scale
@@ -160,10 +162,15 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
         inputs = [int8(1, 1, q_heads, head_dim), torch.rand(1, 1, q_heads, 1, generator=gen) * 0.02,
                   int8(1, 1, q_heads, 1), *new, *[t.clone() for t in new], torch.tensor([context - 1])]
         int8_ms = _median_ms(_program(_Int8Step(caches), tuple(inputs)), inputs)
-        results.append({"context": context, "oscar_ms": round(oscar_ms, 4), "baseline_ms": round(baseline_ms, 4),
-                        "speedup": round(baseline_ms / oscar_ms, 3), "int8_ms": round(int8_ms, 4),
-                        "speedup_vs_int8": round(int8_ms / oscar_ms, 3)})
+        row = {"context": context, "oscar_ms": round(oscar_ms, 4), "baseline_ms": round(baseline_ms, 4),
+               "speedup": round(baseline_ms / oscar_ms, 3), "int8_ms": round(int8_ms, 4),
+               "speedup_vs_int8": round(int8_ms / oscar_ms, 3)}
+        add_traffic(row, "oscar", sum(t.nbytes for t in cache.values()), copy_gbps)
+        add_traffic(row, "baseline", base.k_cache.nbytes + base.v_cache.nbytes, copy_gbps)
+        add_traffic(row, "int8", sum(t.nbytes for t in caches.values()), copy_gbps)
+        results.append(row)
     return {"results": results, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "threads": threads, "baseline": "llama::update_cache + llama::custom_sdpa, fp32 cache",
+            "threads": threads, "copy_GBps": round(copy_gbps, 3),
+            "baseline": "llama::update_cache + llama::custom_sdpa, fp32 cache",
             "int8_baseline": "llama::update_cache + llama::custom_quantized_sdpa, int8 cache (inputs pre-quantized)",
             "config": config.to_dict()}

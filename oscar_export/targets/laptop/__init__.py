@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ...config import OscarInputError
+from ...export.bench import traffic_text
 from .. import BenchRequest, Lowered, Target, TargetOptions, register
 
 
@@ -140,10 +141,12 @@ class LaptopTarget(Target):
                       f"{r['oscar_cache_bytes'] / 2**20:>7.2f} MiB  {r['fp32_cache_bytes'] / 2**20:>6.2f} MiB")
             return
         print(f"decode attention, one layer of {request.model} ({report['q_heads']} q heads, {report['kv_heads']} KV "
-              f"heads, head_dim {report['head_dim']}), threads: {report['threads']}, ONNX Runtime")
+              f"heads, head_dim {report['head_dim']}), threads: {report['threads']}, ONNX Runtime; copy bandwidth "
+              f"{report['copy_GBps']:.1f} GB/s (read + write)")
         for r in report["results"]:
             print(f"  context {r['context']:>7}: OSCAR {r['oscar_ms']:.3f} ms, fp32 baseline {r['baseline_ms']:.3f} ms, "
                   f"speed-up {r['speedup']:.2f}x")
+            print(f"  {'':>15}OSCAR {traffic_text(r, 'oscar')}; fp32 {traffic_text(r, 'baseline')}")
 
 
 def _int8_blocks(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from onnx import TensorProto, helper
 from ...cache import capacities
 from ...codec import packed_bytes
 from ...config import OscarConfig
-from ...export.bench import check_bench_args
+from ...export.bench import add_traffic, check_bench_args, copy_bandwidth
 from ...ops.attention import ATTRIBUTES, CACHE_NAMES, INPUTS
 from ...ops.onnx import DOMAIN, OP
 
@@ -59,13 +59,15 @@ def _session(model: bytes, threads: int, library: str | None = None) -> ort.Infe
 
 def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
                     config: OscarConfig | None = None, threads: int | None = None) -> dict:
-    """Median decode-step latency of both kernels at each context; speedup = baseline / oscar."""
+    """Median decode-step latency of both kernels at each context; speedup = baseline / oscar; the bytes each
+    step reads and their rate against this machine's copy bandwidth (measured first, same threads)."""
     from ...native import ort_library_path
 
     config, threads = check_bench_args(contexts, q_heads, kv_heads, head_dim, config, threads)
     library = str(ort_library_path())
     rng = np.random.default_rng(0)
     scaling = float(np.float32(head_dim**-0.5))
+    copy_gbps = copy_bandwidth(threads)
     results = []
     for context in contexts:
         # OSCAR: a cache of `context` slots holding context - 1 tokens; each run appends the last one.
@@ -103,7 +105,10 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
                  helper.make_node("MatMul", ["p", "v"], ["out"])]
         out = np.empty((kv_heads, group, head_dim), np.float32)
         baseline_ms = _median_ms(_session(_model(nodes, base, "out"), threads), base, out)
-        results.append({"context": context, "oscar_ms": round(oscar_ms, 4), "baseline_ms": round(baseline_ms, 4),
-                        "speedup": round(baseline_ms / oscar_ms, 3)})
+        row = {"context": context, "oscar_ms": round(oscar_ms, 4), "baseline_ms": round(baseline_ms, 4),
+               "speedup": round(baseline_ms / oscar_ms, 3)}
+        add_traffic(row, "oscar", sum(feeds[name].nbytes for name in CACHE_NAMES), copy_gbps)
+        add_traffic(row, "baseline", base["k_t"].nbytes + base["v"].nbytes, copy_gbps)
+        results.append(row)
     return {"results": results, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
-            "threads": threads, "config": config.to_dict()}
+            "threads": threads, "copy_GBps": round(copy_gbps, 3), "config": config.to_dict()}
