@@ -24,6 +24,13 @@ the rotations with the lowest mean calibration error are kept. Routing at run ti
 under the actual codec: "l2" the squared reconstruction error, "q" that error weighted by the layer's
 query covariance (per KV head, from the same calibration tokens). Results:
 benchmarks/results/eval/subspace_<split>.json and .md.
+
+The one-rotation rows (C1) isolate the K objective: K's rotation fitted on K's own second moment
+instead of the query covariance, no ids. Their runs (about 8 and 5 min, quieter cores), renamed to
+subspace_k_objective_<split>.json and .md:
+
+    nice -n 10 .venv/bin/python benchmarks/subspace_clustering.py --rows C1-l2-head,C1-l2-layer --out OUT
+    nice -n 10 .venv/bin/python benchmarks/subspace_clustering.py --split test --rows C1-l2-head --out OUT
 """
 
 from __future__ import annotations
