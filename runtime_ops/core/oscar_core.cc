@@ -714,7 +714,7 @@ Status oscar_attention(const AttentionArgs& a) {
   const bool runtime_pool = a.config.threads == 0 && a.parallel_for != nullptr;
   int64_t threads = a.config.threads;
   if (threads == 0)
-    threads = std::min<int64_t>(runtime_pool && a.pool_threads > 0 ? a.pool_threads : cores,
+    threads = std::min<int64_t>(a.pool_threads > 0 ? a.pool_threads : cores,
                                 1 + d.kv_heads * (a.length + d.tokens) * d.tokens / 4096);
   // Decode: each KV head's body in slices of whole kBodyBlocks (at least kMinSliceRows rows), about four
   // items per thread so uneven heads balance. Prefill: one item per KV head.

@@ -78,7 +78,9 @@ struct AttentionArgs {
   // i < items and returns when all are done (ONNX Runtime: KernelContext_ParallelFor).
   void (*parallel_for)(void* pool, void (*fn)(void*, size_t), size_t items, void* data) = nullptr;
   void* pool = nullptr;
-  int32_t pool_threads = 0;  // how many threads parallel_for runs on (0: unknown, taken as one per core)
+  // With config.threads == 0, the most threads the call uses: how many parallel_for runs on, or without
+  // it a cap on the core's workers that the host sets (0: unknown or none, taken as one per core).
+  int32_t pool_threads = 0;
 };
 
 // The fused kernel set that Kernel::kSimd (and kAuto) runs on this CPU: "avx2", "neon" or

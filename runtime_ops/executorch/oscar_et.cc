@@ -8,6 +8,7 @@
 #include <executorch/runtime/core/exec_aten/util/tensor_util.h>
 #include <executorch/runtime/platform/log.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <sstream>
@@ -25,6 +26,8 @@ using executorch::runtime::KernelRuntimeContext;
 // The last failure's message on this thread: ExecuTorch returns only an error code to the
 // host, so hosts (the Python runner, an app's JNI layer) read the reason from here.
 thread_local std::string last_error;
+// The most core workers a call uses (0: one per core); set by the host, as it sizes ExecuTorch's own pool.
+std::atomic<int32_t> max_threads{0};
 
 constexpr int kInputs = oscar::kNumBuffers - 1;  // the buffers before "out"
 constexpr ScalarType kInputTypes[kInputs] = {
@@ -113,7 +116,8 @@ Tensor& attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& 
   a.config.k_bits = narrow(k_bits), a.config.v_bits = narrow(v_bits), a.config.cluster_dim = narrow(cluster_dim);
   a.config.sink = sink, a.config.recent = recent;
   a.config.k_clip = float(k_clip), a.config.v_clip = float(v_clip), a.config.scaling = float(scaling);
-  a.config.threads = 0;  // one per core, for calls big enough to pay for a thread start
+  a.config.threads = 0;  // for calls big enough to pay for a thread start: one per core, or the host's cap
+  a.pool_threads = max_threads.load(std::memory_order_relaxed);
   std::string error = check(in, length, out, a);
   if (error.empty()) {
     auto f16 = [](const Tensor& t) { return static_cast<uint16_t*>(const_cast<void*>(t.const_data_ptr())); };
@@ -138,6 +142,12 @@ Tensor& attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& 
 }  // namespace
 
 EXECUTORCH_LIBRARY(oscar, "attention.out", attention_out);
+
+// Caps the threads of every later oscar::attention call at n (0: one per core, the default). A host
+// that sizes ExecuTorch's thread pool calls this with the same count, so the kernel does not use more.
+extern "C" __attribute__((visibility("default"))) void oscar_executorch_set_threads(int32_t n) {
+  max_threads.store(n > 0 ? n : 0, std::memory_order_relaxed);
+}
 
 // The message of this thread's last oscar::attention call ("" after a success).
 extern "C" __attribute__((visibility("default"))) const char* oscar_executorch_last_error() {

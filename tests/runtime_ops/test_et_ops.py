@@ -153,3 +153,38 @@ def test_adapter_compiles_for_aarch64(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "oscar_et.o").stat().st_size > 0
+
+
+THREAD_CAP = """
+import ctypes, os, sys
+import torch
+from oscar_export.config import OscarConfig
+from oscar_export.targets.android.et_bench import oscar_step
+from oscar_export.targets.android.et_runner import load_kernels, set_threads
+
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+
+lib = load_kernels()
+set_threads(1)
+_, loaded, inputs = oscar_step(OscarConfig(), 16384, 4, 2, 64, torch.Generator().manual_seed(0))
+method = loaded[-1]
+method(inputs)
+capped = tasks()
+method(inputs)
+assert tasks() == capped, ("capped at one thread, a decode step started threads", capped, tasks())
+lib.oscar_executorch_set_threads(ctypes.c_int32(0))
+method(inputs)
+print("threads", capped, tasks())
+assert tasks() > capped, ("uncapped, the same step should start the core's workers", capped, tasks())
+"""
+
+
+def test_thread_cap_keeps_the_kernel_on_the_hosts_threads():
+    """A host that sizes ExecuTorch's pool to N caps the kernel at N too (et_runner.set_threads): capped at one
+    thread, a 16K-token decode step starts no thread; uncapped, the same step starts the core's workers. In a
+    fresh process, since the workers start once per process."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: the kernel starts no worker either way, so the cap cannot be observed")
+    proc = subprocess.run([sys.executable, "-c", THREAD_CAP], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]

@@ -100,23 +100,45 @@ def _median_ms(loaded: tuple, inputs: list) -> float:
     return float(np.median(times)) * 1e3
 
 
+def oscar_step(config: OscarConfig, context: int, q_heads: int, kv_heads: int, head_dim: int, gen):
+    """(cache, loaded program, inputs): one decode step of oscar::attention over a cache of `context` slots
+    holding context - 1 tokens of random codes and windows; each run appends the last one."""
+    from ...cache import capacities
+    from ...codec import packed_bytes
+
+    s, w, b = capacities(config, context)
+    groups = head_dim // config.cluster_dim
+    cache = {}
+    for name in CACHE_NAMES:
+        kind, region = name.split("_")
+        if region == "codes":
+            size = (kv_heads, b, packed_bytes(head_dim, config.bits(kind)))
+            cache[name] = torch.randint(0, 256, size, generator=gen, dtype=torch.uint8)
+        else:
+            rows = {"sink": s, "recent": w}.get(region, b)
+            cache[name] = (torch.randn(kv_heads, rows, head_dim if region in ("sink", "recent") else groups,
+                                       generator=gen) * 0.1).half()
+    levels = {kind: torch.arange(2 ** config.bits(kind), dtype=torch.float32) for kind in ("k", "v")}
+    attrs = (config.k_bits, config.v_bits, config.cluster_dim, config.sink, config.recent,
+             float(config.k_clip), float(config.v_clip), float(np.float32(head_dim**-0.5)))
+    new = [torch.randn(kv_heads, 1, head_dim, generator=gen).half() for _ in ("k", "v")]
+    inputs = [torch.randn(q_heads, 1, head_dim, generator=gen), *new, torch.tensor([context - 1])]
+    return cache, _program(_OscarStep(cache, levels, attrs), tuple(inputs)), inputs
+
+
 def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int = 64,
                     config: OscarConfig | None = None, threads: int | None = None) -> dict:
     """Median decode-step latency of the three at each context; speedup = fp32 / oscar,
     speedup_vs_int8 = int8 / oscar; the bytes each step reads and their rate against this machine's copy
     bandwidth (measured first, same threads)."""
     import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  llama:: ops, AOT and runtime kernels
-    from executorch.extension.pybindings import portable_lib
 
-    from ...cache import capacities
-    from ...codec import packed_bytes
-    from .et_runner import load_kernels
+    from .et_runner import load_kernels, set_threads
 
     config, threads = check_bench_args(contexts, q_heads, kv_heads, head_dim, config, threads)
     load_kernels()
-    portable_lib._unsafe_reset_threadpool(threads)
+    set_threads(threads)
     gen = torch.Generator().manual_seed(0)
-    scaling = float(np.float32(head_dim**-0.5))
     copy_gbps = copy_bandwidth(threads)
 
     def randn(*shape, scale=1.0):
@@ -124,25 +146,8 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
 
     results = []
     for context in contexts:
-        # OSCAR: a cache of `context` slots holding context - 1 tokens; each run appends the last one.
-        s, w, b = capacities(config, context)
-        groups = head_dim // config.cluster_dim
-        cache = {}
-        for name in CACHE_NAMES:
-            kind, region = name.split("_")
-            if region == "codes":
-                size = (kv_heads, b, packed_bytes(head_dim, config.bits(kind)))
-                cache[name] = torch.randint(0, 256, size, generator=gen, dtype=torch.uint8)
-            else:
-                rows = {"sink": s, "recent": w}.get(region, b)
-                cache[name] = randn(kv_heads, rows, head_dim if region in ("sink", "recent") else groups,
-                                    scale=0.1).half()
-        levels = {kind: torch.arange(2 ** config.bits(kind), dtype=torch.float32) for kind in ("k", "v")}
-        attrs = (config.k_bits, config.v_bits, config.cluster_dim, config.sink, config.recent,
-                 float(config.k_clip), float(config.v_clip), scaling)
-        inputs = [randn(q_heads, 1, head_dim), randn(kv_heads, 1, head_dim).half(),
-                  randn(kv_heads, 1, head_dim).half(), torch.tensor([context - 1])]
-        oscar_ms = _median_ms(_program(_OscarStep(cache, levels, attrs), tuple(inputs)), inputs)
+        cache, oscar, inputs = oscar_step(config, context, q_heads, kv_heads, head_dim, gen)
+        oscar_ms = _median_ms(oscar, inputs)
 
         # fp32: the cache ExecuTorch's LLM export keeps ([batch, seq, kv_heads, head_dim]).
         base = _Fp32Step(randn(1, context, kv_heads, head_dim), randn(1, context, kv_heads, head_dim))

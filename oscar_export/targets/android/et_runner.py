@@ -53,6 +53,17 @@ def load_kernels(library=None) -> ctypes.CDLL:
     return lib
 
 
+def set_threads(threads: int) -> None:
+    """ExecuTorch's thread pool and the OSCAR kernel's workers both at `threads` (the kernel would otherwise use
+    every core whatever the pool's size). A kernel library from before the cap existed keeps every core."""
+    from executorch.extension.pybindings import portable_lib
+
+    portable_lib._unsafe_reset_threadpool(threads)
+    cap = getattr(_loaded["kernels"], "oscar_executorch_set_threads", None)
+    if cap is not None:
+        cap(ctypes.c_int32(threads))
+
+
 def kernel_error() -> str:
     """The message of the last failed oscar::attention call on this thread ('' if none or not loaded)."""
     lib = _loaded.get("kernels")
@@ -85,14 +96,12 @@ class EtLM(GreedyLM):
     """One sequence through an exported .pte; `length` tokens are cached in its mutable buffers."""
 
     def __init__(self, directory, threads: int = 0, max_chunk: int = 256, library=None):
-        from executorch.extension.pybindings import portable_lib
-
         directory = Path(directory)
         if library is None and (directory / LIBRARY_FILE).is_file():
             library = directory / LIBRARY_FILE
         load_kernels(library)
         if threads:
-            portable_lib._unsafe_reset_threadpool(threads)
+            set_threads(threads)
         self.program = load_program(directory / MODEL_FILE)
         self.method = self.program.load_method("forward")
         self.max_context = int(self.program.load_method("get_max_context_len")([])[0])
@@ -151,14 +160,13 @@ def piece_ids(tokenizer, pieces: list[str]) -> list[int | None]:
 def stock_runner_generate(directory, prompt: str, max_new_tokens: int, threads: int = 0) -> dict:
     """Greedy generation by ExecuTorch's TextLLMRunner, which tokenizes the prompt itself:
     {"tokens": [...] (ids recovered from the pieces), "text": "..."}."""
-    from executorch.extension.pybindings import portable_lib
     from transformers import AutoTokenizer
 
     directory = Path(directory)
     library = directory / LIBRARY_FILE
     load_kernels(library if library.is_file() else None)
     if threads:
-        portable_lib._unsafe_reset_threadpool(threads)
+        set_threads(threads)
     from executorch.extension.llm.runner import GenerationConfig, TextLLMRunner
 
     for name in (MODEL_FILE, TOKENIZER_FILE):
