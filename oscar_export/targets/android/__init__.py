@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ...config import OscarInputError
-from ...export.bench import traffic_text
 from ...export.artifact import eos_ids
+from ...export.bench import traffic_text
 from ...ops.attention import CACHE_NAMES
 from .. import BenchRequest, Lowered, Target, TargetOptions, register
 
