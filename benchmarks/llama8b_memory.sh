@@ -19,14 +19,31 @@ work=${1:-work-llama8b}
 out=benchmarks/results/llama8b
 cli=.venv/bin/oscar-export
 mkdir -p "$work" "$out"
+
+# export_timed TARGET LAYERS [FLAGS...]: exports the LAYERS-layer checkpoint to $work/TARGET-LAYERSl under
+# /usr/bin/time, into $out/export_TARGET_LAYERSl.json.
+export_timed() {
+  local target=$1 layers=$2
+  shift 2
+  rm -rf "$work/$target-${layers}l"
+  /usr/bin/time -o "$out/export_${target}_${layers}l.json" -f "{\"layers\": $layers, \"peak_rss_kib\": %M, \"wall_s\": %e}" \
+    "$cli" --target "$target" --model "$work/llama-3-8b-${layers}l" --context 32768 --rotations hadamard \
+      --device-memory 8GB --out "$work/$target-${layers}l" "$@" > /dev/null
+  cat "$out/export_${target}_${layers}l.json"
+}
+
+# bench_memory ARTIFACT CONTEXT NAME: bench memory of $work/ARTIFACT filled to CONTEXT, into $out/NAME.
+bench_memory() {
+  "$cli" bench memory --artifact "$work/$1" --context "$2" --steps 8 --threads 2 --device-memory 8GB --json \
+    > "$out/$3"
+  .venv/bin/python -c "import json; r = json.load(open('$out/$3')); \
+print('$1', $2, 'peak GiB', round(r['peak_rss'] / 2**30, 2), 'tokens/s', r['decode_tokens_per_s'])"
+}
+
 for layers in 2 4 8 32; do
   ckpt=$work/llama-3-8b-${layers}l
   [ -d "$ckpt" ] || .venv/bin/python -m oscar_export.random_checkpoint --out "$ckpt" --layers "$layers"
-  rm -rf "$work/laptop-${layers}l"
-  /usr/bin/time -o "$out/export_laptop_${layers}l.json" -f "{\"layers\": $layers, \"peak_rss_kib\": %M, \"wall_s\": %e}" \
-    "$cli" --target laptop --model "$ckpt" --context 32768 --rotations hadamard --group-size 128 \
-      --device-memory 8GB --out "$work/laptop-${layers}l" > /dev/null
-  cat "$out/export_laptop_${layers}l.json"
+  export_timed laptop "$layers" --group-size 128
   [ "$layers" = 32 ] || rm -rf "$work/laptop-${layers}l"
 done
 rm -rf "$work/laptop-fp16"
@@ -35,28 +52,17 @@ rm -rf "$work/laptop-fp16"
 fits=$(.venv/bin/python -c "import json; print(json.load(open('$work/laptop-32l/manifest.json'))['plan']['max_context_fp16'] // 256 * 256)")
 for context in 4096 "$fits" 32768; do
   for artifact in 32l fp16; do
-    "$cli" bench memory --artifact "$work/laptop-$artifact" --context "$context" --steps 8 --threads 2 \
-      --device-memory 8GB --json > "$out/runtime_${artifact}_${context}.json"
-    .venv/bin/python -c "import json; r = json.load(open('$out/runtime_${artifact}_${context}.json')); \
-print('$artifact', $context, 'peak GiB', round(r['peak_rss'] / 2**30, 2), 'tokens/s', r['decode_tokens_per_s'])"
+    bench_memory "laptop-$artifact" "$context" "runtime_${artifact}_${context}.json"
   done
 done
 for layers in 2 4 8; do
-  rm -rf "$work/android-${layers}l"
-  /usr/bin/time -o "$out/export_android_${layers}l.json" -f "{\"layers\": $layers, \"peak_rss_kib\": %M, \"wall_s\": %e}" \
-    "$cli" --target android --model "$work/llama-3-8b-${layers}l" --context 32768 --rotations hadamard \
-      --device-memory 8GB --out "$work/android-${layers}l" > /dev/null
-  cat "$out/export_android_${layers}l.json"
+  export_timed android "$layers"
 done
 rm -rf "$work/android-8l-fp16"
 "$cli" --target android --model "$work/llama-3-8b-8l" --context 32768 --rotations hadamard --recent 32704 \
   --device-memory 8GB --out "$work/android-8l-fp16" > /dev/null
 for context in 4096 32768; do
   for artifact in 4l 8l 8l-fp16; do
-    name=runtime_android_${artifact/-/_}_${context}.json
-    "$cli" bench memory --artifact "$work/android-$artifact" --context "$context" --steps 8 --threads 2 \
-      --device-memory 8GB --json > "$out/$name"
-    .venv/bin/python -c "import json; r = json.load(open('$out/$name')); \
-print('android $artifact', $context, 'peak GiB', round(r['peak_rss'] / 2**30, 2), 'tokens/s', r['decode_tokens_per_s'])"
+    bench_memory "android-$artifact" "$context" "runtime_android_${artifact/-/_}_${context}.json"
   done
 done
