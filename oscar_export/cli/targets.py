@@ -156,8 +156,10 @@ def add_target_commands(sub) -> None:
     p = sub.add_parser("bench", help="benchmark the OSCAR attention kernels and decoding",
                        description="attention: decode-attention latency of the OSCAR op against the runtime's own "
                                    "attention over the same context. decode: end-to-end decode tokens/s of the "
-                                   "exported model with the OSCAR cache against an fp32 KV cache. Same threads, "
-                                   "measured in one run. memory (--artifact): the artifact's peak run-time memory "
+                                   "exported model with the OSCAR cache against the same weights with the runtime's "
+                                   "own KV caches (ONNX Runtime: fp32 past/present and GroupQueryAttention; "
+                                   "ExecuTorch: custom_sdpa's fp32 cache and its int8 quantized cache). Same "
+                                   "threads, measured in one run. memory (--artifact): the artifact's peak run-time memory "
                                    "with its cache full, in a fresh process, against the planner's numbers.")
     p.add_argument("what", choices=(*dict.fromkeys(k for t in runtimes.values() for k in t.bench_kinds), "memory"))
     p.add_argument("--steps", type=positive_int,
@@ -180,8 +182,8 @@ def add_target_commands(sub) -> None:
                    help="with --artifact: timed turns of --steps per contestant, median reported (default "
                         "%(default)s)")
     p.add_argument("--float-weights", action="store_true",
-                   help="decode with --model: float32 weights in every variant (default: the laptop artifact's "
-                        "4-bit MatMulNBits weights, the fp32-cache graphs quantized by the same tool)")
+                   help="decode with --model: float32 weights in every variant (default: the target artifact's "
+                        "4-bit weights, the baselines quantized by the same tool)")
     p.add_argument("--profile", action="store_true",
                    help="with --artifact: then profile the artifact's decode step per op type (laptop: ONNX "
                         "Runtime's profiler)")

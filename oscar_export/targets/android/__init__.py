@@ -146,7 +146,7 @@ class AndroidTarget(Target):
     packages = ("oscar-export", "torch", "transformers", "executorch", "torchao")
     runtimes = {"executorch": "ExecuTorch pybindings with the native kernel library",
                 "stock-runner": "ExecuTorch's C++ TextLLMRunner, as an Android app runs it (tokens only)"}
-    bench_kinds = ("attention",)
+    bench_kinds = ("attention", "decode")
     float_weights_help = "keep float weights (default: 4-bit grouped weights, 8-bit dynamic activations)"
     streams_weights = True
 
@@ -234,11 +234,29 @@ class AndroidTarget(Target):
         from ...models import model_shape
         from .et_bench import bench_attention
 
+        if what == "decode":
+            from .et_decode_bench import bench_decode
+
+            return bench_decode(request.contexts, request.steps, request.threads, request.model, request.config,
+                                float_weights=request.float_weights)
+
         shape = model_shape(request.model)
         return bench_attention(request.contexts, shape.q_heads, shape.kv_heads, shape.head_dim, request.config,
                                request.threads)
 
     def print_bench(self, what: str, request: BenchRequest, report: dict) -> None:
+        if what == "decode":
+            print(f"greedy decode of {request.model}, weights {report['weights']}, median of {report['steps']} "
+                  f"steps, threads: {report['threads']}, ExecuTorch. OSCAR: the android artifact; fp32: ExecuTorch's "
+                  "custom_sdpa cache; int8: its quantized KV cache")
+            print(f"  {'context':>7}  {'OSCAR tok/s':>11}  {'fp32 tok/s':>10}  {'speed-up':>8}  {'int8 tok/s':>10}  "
+                  f"{'speed-up':>8}  {'OSCAR cache':>11}  {'fp32 cache':>10}  {'int8 cache':>10}")
+            for r in report["results"]:
+                print(f"  {r['context']:>7}  {r['oscar_tokens_per_s']:>11.1f}  {r['fp32_tokens_per_s']:>10.1f}  "
+                      f"{r['speedup']:>7.2f}x  {r['int8_tokens_per_s']:>10.1f}  {r['speedup_vs_int8']:>7.2f}x  "
+                      f"{r['oscar_cache_bytes'] / 2**20:>7.2f} MiB  {r['fp32_cache_bytes'] / 2**20:>6.2f} MiB  "
+                      f"{r['int8_cache_bytes'] / 2**20:>6.2f} MiB")
+            return
         print(f"decode attention, one layer of {request.model} ({report['q_heads']} q heads, {report['kv_heads']} KV "
               f"heads, head_dim {report['head_dim']}), threads: {report['threads']}, ExecuTorch; copy bandwidth "
               f"{report['copy_GBps']:.1f} GB/s (read + write)")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,19 +31,13 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ...export.artifact import load_manifest
+from ...export.decode_bench import WARMUP, check_contexts, step_times
 from ...config import OscarConfig, OscarInputError
 from ...ops.attention import CACHE_NAMES
 from .ort_runner import OrtLM
 
-WARMUP = 4  # untimed steps per variant before the timed ones
-BLOCK = 8  # steps each variant runs in turn
 FP32_FILE, SHARED_FILE = "fp32_decoder.onnx", "fp32_shared_decoder.onnx"
 WEIGHTS = "float32 in every variant"
-
-
-def min_context(config: OscarConfig, steps: int) -> int:
-    """Smallest context whose starting state already uses the packed body."""
-    return config.sink + config.recent + WARMUP + steps + 2
 
 
 def oscar_decoder(directory: Path, model_name: str, context: int, config: OscarConfig, threads: int,
@@ -212,26 +205,6 @@ class Fp32Decoder:
         return logits.numpy()[0, -1]
 
 
-def _step_times(steppers: dict, token: int, steps: int) -> dict[str, list[float]]:
-    """Greedy decode with each stepper (token -> logits), alternating blocks of BLOCK steps; seconds per step."""
-    tokens = dict.fromkeys(steppers, token)
-    times = {name: [] for name in steppers}
-
-    def run(name, n, record):
-        for _ in range(n):
-            t0 = time.perf_counter()
-            tokens[name] = int(np.argmax(steppers[name](tokens[name])))
-            if record:
-                times[name].append(time.perf_counter() - t0)
-
-    for name in steppers:
-        run(name, WARMUP, False)
-    for done in range(0, steps, BLOCK):
-        for name in steppers:
-            run(name, min(BLOCK, steps - done), True)
-    return times
-
-
 def save_decoder(model: onnx.ModelProto, path: Path, float_weights: bool) -> None:
     """An fp32-cache graph, its weights as given or as the laptop artifact stores them (4-bit MatMulNBits)."""
     if float_weights:
@@ -260,11 +233,7 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
 
     config = config or OscarConfig()
     contexts = list(contexts)
-    for context in contexts:
-        if context < min_context(config, steps):
-            raise OscarInputError(f"--context {context}: expected at least sink + recent + {WARMUP} warm-up + "
-                                  f"{steps} steps + 2 = {min_context(config, steps)} tokens, so the packed body "
-                                  "is used")
+    check_contexts(contexts, config, steps)
     threads = threads or os.cpu_count()
     model, _ = load_model(model_name)
     rng = np.random.default_rng(0)
@@ -288,7 +257,7 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
             for buffer, rows in zip(full, past):
                 buffer[:, :, :length] = rows
             fp32["fp32_shared"].start(full, length)
-            times = _step_times({"oscar": lambda t, lm=oscar: lm.step([t]), **{n: d.step for n, d in fp32.items()}},
+            times = step_times({"oscar": lambda t, lm=oscar: lm.step([t]), **{n: d.step for n, d in fp32.items()}},
                                 int(rng.integers(model.config.get_text_config().vocab_size)), steps)
             ms = {name: float(np.median(t)) * 1e3 for name, t in times.items()}
             result = {"context": context}
