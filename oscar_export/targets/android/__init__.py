@@ -8,6 +8,7 @@ tokenizer files, the rotation file when one was used, and manifest.json.
 
 from __future__ import annotations
 
+import ctypes
 import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -103,6 +104,22 @@ def runner_metadata(model, tokenizer, max_context: int, max_chunk: int) -> dict:
     }
 
 
+def return_freed_buffers_to_the_os() -> bool:
+    """Keep every allocation over 128 KiB in its own mapping, unmapped when freed (glibc; elsewhere a no-op).
+
+    glibc raises its mmap threshold after each large free, up to 32 MiB, and buffers under it then come from
+    the heap, where freed ones stay resident. Weight quantization and ExecuTorch's XNNPACK lowering free many
+    such temporaries: at Llama-3-8B's width the lowering kept 0.57 GiB more a layer with the moving threshold,
+    0.17 GiB with this one (measured on 4 and 8 layers). Returns whether the setting took.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_mmap_threshold = -3  # malloc.h
+    return bool(libc.mallopt(m_mmap_threshold, 128 * 1024))
+
+
 def lower(module: ExecuTorchLM, max_context: int, max_chunk: int, metadata: dict):
     """torch.export with a dynamic prefill length, XNNPACK for the dense layers, the cache as mutable
     buffers; returns the ExecutorchProgramManager."""
@@ -164,6 +181,7 @@ class AndroidTarget(Target):
         from ...native import executorch_library_path
 
         library = executorch_library_path()  # fail before minutes of lowering when the kernel cannot be built
+        return_freed_buffers_to_the_os()  # before the weights are read: quantizing them frees temporaries too
         if not float_weights:
             _quantize_artifact_weights(module, options.group_size, weights)
         elif weights is not None:

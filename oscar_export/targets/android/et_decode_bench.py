@@ -80,6 +80,7 @@ class EtCacheLM(OscarCausalLM):
 
     def __init__(self, model, config: OscarConfig, kind: str, max_context: int, rotations="hadamard"):
         import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  llama:: ops for export and eager runs
+        import executorch.kernels.quantized  # noqa: F401  the int8 cache's quantize ops: out variants and kernels
 
         super().__init__(model, config, rotations)
         for layer in self.layers:
@@ -106,6 +107,7 @@ class EtCacheProgram:
     """An EtCacheLM's program through the pybindings, stepped one token at a time from a synthetic state."""
 
     def __init__(self, path: Path, names: list[str]):
+        import executorch.kernels.quantized  # noqa: F401  the int8 cache's quantize kernels
         from executorch.extension.pybindings import portable_lib
 
         self.program = portable_lib._load_program(str(path))
@@ -151,9 +153,6 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
     Each variant starts from a synthetic cache of context - WARMUP - steps - 1 tokens, so the timed steps end
     one token short of `context`. work_dir keeps the programs (default: a temporary directory).
     """
-    from executorch.extension.pybindings import portable_lib  # noqa: F401  the runtime the kernels join
-    import executorch.kernels.quantized  # noqa: F401  quantize_per_token and friends in the runtime
-
     from ...export.pipeline import export_artifact
     from ...models import load_model
     from .et_runner import EtLM
