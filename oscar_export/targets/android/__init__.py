@@ -120,17 +120,23 @@ def return_freed_buffers_to_the_os() -> bool:
     return bool(libc.mallopt(m_mmap_threshold, 128 * 1024))
 
 
-def lower(module: ExecuTorchLM, max_context: int, max_chunk: int, metadata: dict):
+def lower(module: nn.Module, max_context: int, max_chunk: int, metadata: dict, graph_passes=()):
     """torch.export with a dynamic prefill length, XNNPACK for the dense layers, the cache as mutable
-    buffers; returns the ExecutorchProgramManager."""
+    buffers; returns the ExecutorchProgramManager. graph_passes: run on the exported graph, which is then
+    exported again (as ExecuTorch's LLM export runs its canonical passes)."""
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
     from torch.export import Dim, export
 
-    tokens = torch.zeros(1, min(2, max_chunk), dtype=torch.long)
+    inputs = (torch.zeros(1, min(2, max_chunk), dtype=torch.long), torch.zeros(1, dtype=torch.long))
     dims = ({1: Dim("tokens", min=1, max=max_chunk)}, None)
     with torch.no_grad():
-        program = export(module, (tokens, torch.zeros(1, dtype=torch.long)), dynamic_shapes=dims, strict=False)
+        program = export(module, inputs, dynamic_shapes=dims, strict=False)
+        if graph_passes:
+            graph = program.module()
+            for graph_pass in graph_passes:
+                graph = graph_pass(graph).graph_module
+            program = export(graph, inputs, dynamic_shapes=dims, strict=False)
     edge = to_edge_transform_and_lower(
         program, partitioner=[XnnpackPartitioner()], constant_methods=metadata,
         # oscar::attention is opaque to the edge dialect checks (its kernel is ours, not ATen's).

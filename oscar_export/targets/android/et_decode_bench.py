@@ -139,7 +139,12 @@ def export_et_cache(model_name: str, config: OscarConfig, kind: str, max_context
     module = EtCacheLM(model, config, kind, max_context).eval()
     if not float_weights:
         _quantize_artifact_weights(module, options.group_size)
-    program = lower(module, max_context, options.max_chunk, {"get_max_context_len": max_context})
+    # ExecuTorch's LLM export removes the transposes its cache modules leave around update and SDPA; kept,
+    # each step would copy every layer's whole cache.
+    from executorch.extension.llm.export.export_passes import RemoveRedundantTransposes
+
+    program = lower(module, max_context, options.max_chunk, {"get_max_context_len": max_context},
+                    graph_passes=[RemoveRedundantTransposes()])
     with open(path, "wb") as f:
         program.write_to_file(f)
     return module.cache_names()
