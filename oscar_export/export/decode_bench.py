@@ -145,6 +145,19 @@ def print_artifact_decode(report: dict) -> None:
                 print(f"    {label:<40} {ms:>8.3f} ms  {100 * ms / wall:>5.1f}%")
 
 
+def bench_setup(contexts, config, steps: int, threads, model_name: str):
+    """(config, contexts, threads, model, rng) a target's `bench decode` starts from: the contexts checked, the
+    default config and thread count filled in, the model loaded, a seeded generator for the synthetic states."""
+    from ..config import OscarConfig
+    from ..models import load_model
+
+    config = config or OscarConfig()
+    contexts = list(contexts)
+    check_contexts(contexts, config, steps)
+    model, _ = load_model(model_name)
+    return config, contexts, threads or os.cpu_count(), model, np.random.default_rng(0)
+
+
 def check_contexts(contexts, config, steps: int) -> None:
     """Each context must leave a starting state that already uses the packed body."""
     least = config.sink + config.recent + WARMUP + steps + 2

@@ -21,7 +21,7 @@ alternating turns (export/decode_bench.step_times); the median step gives tokens
 
 from __future__ import annotations
 
-import os
+import importlib
 import tempfile
 from pathlib import Path
 
@@ -30,11 +30,18 @@ import torch
 
 from ...config import OscarConfig, OscarInputError
 from ...export.artifact import load_manifest
-from ...export.decode_bench import WARMUP, check_contexts, step_times
+from ...export.decode_bench import WARMUP, bench_setup, step_times
 from ...export.graph import OscarCausalLM, OscarDecoderLayer
 from . import AndroidTarget, _quantize_artifact_weights, lower
 
 CACHES = ("fp32", "int8")  # ExecuTorch's own caches, by the names the report uses
+
+
+def load_executorch_llm_ops() -> None:
+    """ExecuTorch's llama:: cache and SDPA ops and the quantize ops of its int8 cache, for export (their out
+    variants), eager runs and the runtime (their kernels)."""
+    importlib.import_module("executorch.extension.llm.custom_ops.custom_ops")
+    importlib.import_module("executorch.kernels.quantized")
 
 
 class EtCacheLayer(OscarDecoderLayer):
@@ -79,9 +86,7 @@ class EtCacheLM(OscarCausalLM):
     layer_class = EtCacheLayer
 
     def __init__(self, model, config: OscarConfig, kind: str, max_context: int, rotations="hadamard"):
-        import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  llama:: ops for export and eager runs
-        import executorch.kernels.quantized  # noqa: F401  the int8 cache's quantize ops: out variants and kernels
-
+        load_executorch_llm_ops()
         super().__init__(model, config, rotations)
         for layer in self.layers:
             layer.use_executorch_cache(kind, max_context)
@@ -107,8 +112,9 @@ class EtCacheProgram:
     """An EtCacheLM's program through the pybindings, stepped one token at a time from a synthetic state."""
 
     def __init__(self, path: Path, names: list[str]):
-        import executorch.kernels.quantized  # noqa: F401  the int8 cache's quantize kernels
         from executorch.extension.pybindings import portable_lib
+
+        load_executorch_llm_ops()
 
         self.program = portable_lib._load_program(str(path))
         self.method = self.program.load_method("forward")
@@ -159,15 +165,9 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
     one token short of `context`. work_dir keeps the programs (default: a temporary directory).
     """
     from ...export.pipeline import export_artifact
-    from ...models import load_model
     from .et_runner import EtLM
 
-    config = config or OscarConfig()
-    contexts = list(contexts)
-    check_contexts(contexts, config, steps)
-    threads = threads or os.cpu_count()
-    model, _ = load_model(model_name)
-    rng = np.random.default_rng(0)
+    config, contexts, threads, model, rng = bench_setup(contexts, config, steps, threads, model_name)
     capacity = max(contexts)
     with tempfile.TemporaryDirectory(prefix="oscar-et-decode-bench-") as temp:
         work = Path(work_dir or temp)

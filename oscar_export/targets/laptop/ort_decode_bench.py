@@ -20,7 +20,6 @@ slows all alike, and the median step latency (logits and argmax included) gives 
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
@@ -31,7 +30,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from ...export.artifact import load_manifest
-from ...export.decode_bench import WARMUP, check_contexts, step_times
+from ...export.decode_bench import WARMUP, bench_setup, step_times
 from ...config import OscarConfig, OscarInputError
 from ...ops.attention import CACHE_NAMES
 from .ort_runner import OrtLM
@@ -229,14 +228,7 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
     Each variant starts from a synthetic cache of context - WARMUP - steps - 1 tokens, so the timed steps
     end one token short of `context`. work_dir keeps the exported models (default: a temporary directory).
     """
-    from ...models import load_model
-
-    config = config or OscarConfig()
-    contexts = list(contexts)
-    check_contexts(contexts, config, steps)
-    threads = threads or os.cpu_count()
-    model, _ = load_model(model_name)
-    rng = np.random.default_rng(0)
+    config, contexts, threads, model, rng = bench_setup(contexts, config, steps, threads, model_name)
     with tempfile.TemporaryDirectory(prefix="oscar-decode-bench-") as temp:
         work = Path(work_dir or temp)
         work.mkdir(parents=True, exist_ok=True)
