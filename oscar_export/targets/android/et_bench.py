@@ -131,11 +131,10 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
     """Median decode-step latency of the three at each context; speedup = fp32 / oscar,
     speedup_vs_int8 = int8 / oscar; the bytes each step reads and their rate against this machine's copy
     bandwidth (measured first, same threads)."""
-    import executorch.extension.llm.custom_ops.custom_ops  # noqa: F401  llama:: ops, AOT and runtime kernels
-
-    from .et_runner import load_kernels, set_threads
+    from .et_runner import load_executorch_llm_ops, load_kernels, set_threads
 
     config, threads = check_bench_args(contexts, q_heads, kv_heads, head_dim, config, threads)
+    load_executorch_llm_ops()
     load_kernels()
     set_threads(threads)
     gen = torch.Generator().manual_seed(0)

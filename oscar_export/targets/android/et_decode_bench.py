@@ -21,7 +21,6 @@ alternating turns (export/decode_bench.step_times); the median step gives tokens
 
 from __future__ import annotations
 
-import importlib
 import tempfile
 from pathlib import Path
 
@@ -33,15 +32,9 @@ from ...export.artifact import load_manifest
 from ...export.decode_bench import WARMUP, bench_setup, step_times
 from ...export.graph import OscarCausalLM, OscarDecoderLayer
 from . import AndroidTarget, _quantize_artifact_weights, lower
+from .et_runner import load_executorch_llm_ops
 
 CACHES = ("fp32", "int8")  # ExecuTorch's own caches, by the names the report uses
-
-
-def load_executorch_llm_ops() -> None:
-    """ExecuTorch's llama:: cache and SDPA ops and the quantize ops of its int8 cache, for export (their out
-    variants), eager runs and the runtime (their kernels)."""
-    importlib.import_module("executorch.extension.llm.custom_ops.custom_ops")
-    importlib.import_module("executorch.kernels.quantized")
 
 
 class EtCacheLayer(OscarDecoderLayer):
@@ -115,7 +108,6 @@ class EtCacheProgram:
         from executorch.extension.pybindings import portable_lib
 
         load_executorch_llm_ops()
-
         self.program = portable_lib._load_program(str(path))
         self.method = self.program.load_method("forward")
         self.names, self.length = names, 0
@@ -132,7 +124,6 @@ class EtCacheProgram:
         (logits,) = self.method([torch.tensor([[token]]), torch.tensor([self.length])])
         self.length += 1
         return logits.numpy()[0, -1]
-
 
 def export_et_cache(model_name: str, config: OscarConfig, kind: str, max_context: int, path: Path,
                     float_weights: bool) -> list[str]:
@@ -154,7 +145,6 @@ def export_et_cache(model_name: str, config: OscarConfig, kind: str, max_context
     with open(path, "wb") as f:
         program.write_to_file(f)
     return module.cache_names()
-
 
 def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_name: str = "bundled",
                  config: OscarConfig | None = None, work_dir=None, float_weights: bool = False) -> dict:
@@ -210,7 +200,6 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
             "state": f"synthetic: random fp16 windows and codec-quantized random body rows (OSCAR), random fp32 rows "
                      f"and random int8 codes, scales and zero points (ExecuTorch's caches); {WARMUP} untimed steps, "
                      f"then {steps} timed greedy steps ending at context - 1 tokens"}
-
 
 def _oscar_cache_bytes(model, config: OscarConfig, context: int) -> int:
     from ...cache import cache_bytes

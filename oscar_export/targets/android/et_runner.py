@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import sys
 from pathlib import Path
@@ -51,6 +52,13 @@ def load_kernels(library=None) -> ctypes.CDLL:
                            "this executorch wheel's libexecutorch.so")
     _loaded["kernels"] = lib
     return lib
+
+
+def load_executorch_llm_ops() -> None:
+    """ExecuTorch's llama:: cache and SDPA ops and the quantize ops of its int8 cache, for export (their out
+    variants), eager runs and the runtime (their kernels): what the benchmarks' baselines run."""
+    importlib.import_module("executorch.extension.llm.custom_ops.custom_ops")
+    importlib.import_module("executorch.kernels.quantized")
 
 
 def set_threads(threads: int) -> None:
