@@ -80,3 +80,27 @@ def test_spent_weights_are_freed_as_packed_and_the_program_is_unchanged():
         assert m.weight.qdata.untyped_storage().nbytes() == 0 and m.weight.scale.untyped_storage().nbytes() == 0
     # ExecuTorch's XNNPACK backend is itself again after the lowering.
     assert {name: XnnpackBackend.__dict__.get(name) for name in hooks} == hooks
+
+
+UNTOUCHED_CACHE = """
+from oscar_export.config import OscarConfig
+from oscar_export.export.graph import OscarCausalLM
+from oscar_export.models import load_model
+from oscar_export.targets.android import ExecuTorchLM
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+lm = OscarCausalLM(load_model("bundled")[0], OscarConfig(sink=16, recent=1 << 19), "hadamard").eval()
+before = resident()
+cache = ExecuTorchLM(lm, 16 + (1 << 19)).cache_buffers()
+grown = resident() - before
+allocated = sum(b.numel() * b.element_size() for b in cache)
+print(allocated >> 20, grown >> 20, all(int(b[:, -4:].abs().max()) == 0 for b in cache if b.numel()))
+"""
+
+
+@glibc
+def test_the_programs_cache_buffers_take_no_memory_until_written():
+    # 8 fp16 windows of 2 heads x 2^19 tokens x 64 channels (128 MiB each), as the export holds them.
+    out = subprocess.run([sys.executable, "-c", UNTOUCHED_CACHE], capture_output=True, text=True, check=True)
+    allocated_mib, grown_mib, zero = out.stdout.split()
+    assert int(allocated_mib) >= 1024 and int(grown_mib) <= 64 and zero == "True", out.stdout
