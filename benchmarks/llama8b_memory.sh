@@ -9,10 +9,10 @@
 # 2. The 32-layer artifact, and the same weights with an fp16 cache (--recent 32704: every token in the fp16
 #    window), loaded in ONNX Runtime, the cache filled to 4K, to the longest context an fp16 cache fits in 8 GB
 #    by the planner, and to 32K, 8 decode steps each: peak RSS and tokens/s (bench memory).
-# 3. The android (ExecuTorch) export of the 2, 4 and 8-layer checkpoints (streamed too, torchao 4-bit weights in
-#    groups of 32; 32 layers need about 28 GiB, see the results), and bench memory of the 4 and 8-layer programs
-#    and of the 8-layer one with an fp16 cache, at 4K and 32K.
-# About 75 minutes on 2 cores and 50 GB of disk under WORK_DIR. Results: benchmarks/results/llama8b/.
+# 3. The android (ExecuTorch) export of the 2, 4, 8 and 32-layer checkpoints (streamed too, torchao 4-bit weights
+#    in groups of 32), timed the same way, and the 32-layer program, and the same weights with an fp16 cache, in
+#    ExecuTorch at 4K and 32K (bench memory).
+# About 2 hours on 2 cores and 60 GB of disk under WORK_DIR. Results: benchmarks/results/llama8b/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 work=${1:-work-llama8b}
@@ -55,14 +55,15 @@ for context in 4096 "$fits" 32768; do
     bench_memory "laptop-$artifact" "$context" "runtime_${artifact}_${context}.json"
   done
 done
-for layers in 2 4 8; do
+for layers in 2 4 8 32; do
   export_timed android "$layers"
+  [ "$layers" = 32 ] || rm -rf "$work/android-${layers}l"
 done
-rm -rf "$work/android-8l-fp16"
-"$cli" --target android --model "$work/llama-3-8b-8l" --context 32768 --rotations hadamard --recent 32704 \
-  --device-memory 8GB --out "$work/android-8l-fp16" > /dev/null
+rm -rf "$work/android-32l-fp16"
+"$cli" --target android --model "$work/llama-3-8b-32l" --context 32768 --rotations hadamard --recent 32704 \
+  --device-memory 8GB --out "$work/android-32l-fp16" > /dev/null
 for context in 4096 32768; do
-  for artifact in 4l 8l 8l-fp16; do
+  for artifact in 32l 32l-fp16; do
     bench_memory "android-$artifact" "$context" "runtime_android_${artifact/-/_}_${context}.json"
   done
 done

@@ -145,7 +145,7 @@ def xnnpack_packs_weights_once(release: set[int]):
     `release` are freed as soon as their partition is packed.
 
     ExecuTorch deep-copies every partition's program, weights included, before packing any of them, so the
-    lowering held the quantized weights twice (at Llama-3-8B's width and 32 layers, RSS went from 11.5 to 19.9
+    lowering held the quantized weights twice (at Llama-3-8B's width and 32 layers, RSS went from 10.9 to 19.0
     GiB in the first seconds of the lowering). XNNPACK's preprocess reads the weights and writes packed copies; it
     changes the graph, never a weight in place, so sharing them is safe (tests/targets/
     test_android_lowering_memory.py: the program is byte-identical). Freeing them leaves the weights' owners (the
