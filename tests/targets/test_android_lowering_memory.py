@@ -1,6 +1,6 @@
 """The android export's memory: the allocator setting (freed weight-sized buffers leave the process instead of
-staying resident in the heap, what kept ExecuTorch's lowering growing by layer) and XNNPACK packing each weight
-without a second copy of the model (docs/android.md)."""
+staying resident in the heap, what kept ExecuTorch's lowering growing by layer), XNNPACK packing each weight
+without a second copy of the model, and cache buffers that stay unwritten (docs/android.md)."""
 
 import os
 import platform

@@ -125,6 +125,7 @@ class EtCacheProgram:
         self.length += 1
         return logits.numpy()[0, -1]
 
+
 def export_et_cache(model_name: str, config: OscarConfig, kind: str, max_context: int, path: Path,
                     float_weights: bool) -> list[str]:
     """The program with ExecuTorch's cache of `kind`, lowered as the android target lowers its artifact; returns
@@ -145,6 +146,7 @@ def export_et_cache(model_name: str, config: OscarConfig, kind: str, max_context
     with open(path, "wb") as f:
         program.write_to_file(f)
     return module.cache_names()
+
 
 def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_name: str = "bundled",
                  config: OscarConfig | None = None, work_dir=None, float_weights: bool = False) -> dict:
@@ -200,6 +202,7 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
             "state": f"synthetic: random fp16 windows and codec-quantized random body rows (OSCAR), random fp32 rows "
                      f"and random int8 codes, scales and zero points (ExecuTorch's caches); {WARMUP} untimed steps, "
                      f"then {steps} timed greedy steps ending at context - 1 tokens"}
+
 
 def _oscar_cache_bytes(model, config: OscarConfig, context: int) -> int:
     from ...cache import cache_bytes
