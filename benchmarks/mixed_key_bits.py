@@ -1,0 +1,224 @@
+"""Mixed key bits on SmolLM2-135M-Instruct: 3-bit K in the layers where it helps most, 2-bit K elsewhere,
+2-bit V everywhere, and windows small enough that the whole cache costs <= 3.0 bits per element at 8K
+(issue 19's budget). Measured against fp16, today's oscar-2 (g64, sink 64, recent 256: 3.03 bits, per-layer
+rotations) and 3-bit K in every layer at the same windows (the mix's upper bound, over the budget).
+
+    nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py                    # validation, every row
+    nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py --split test --rows mixed-nll16/s16-r128
+
+The two took 17 and 9 minutes on 2 CPU cores (each 8K window plus needle about a minute; the "nll"
+sensitivity, 31 passes of 2,048 tokens, most of the rest); peak memory stays near 2 GB.
+
+Same split, calibration and metrics as benchmarks/smollm2_levers.py (one 8K window for perplexity at
+2K/4K/8K, one needle sequence for retrieval). Rotations are fitted per KV head (the best 2-bit lever
+there); each bit width keeps its own clip ratio, searched on the held-out calibration tokens.
+
+Which layers get 3 bits is chosen on calibration tokens only, by one of two rules:
+- "nll": the drop in calibration NLL (the split's first 2,048 calibration tokens, one pass through the
+  cache) when that layer alone has 3-bit K and every other layer 2-bit;
+- "err": the drop in that layer's attention-output relative error with only K quantized (2 -> 3 bits) on
+  the held-out calibration tokens, calibrate.clip_errors' criterion per layer.
+Rows are named mixed-<rule><n>/s<sink>-r<recent>: n layers with 3-bit K. Results:
+benchmarks/results/eval/mixed_key_bits_<split>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from smollm2_levers import CONTEXTS, split_text  # noqa: E402
+from subspace_clustering import (  # noqa: E402
+    BITS_CONTEXT,
+    CALIB_HELDOUT,
+    CALIB_TOKENS,
+    CHUNK,
+    NEEDLE_CONTEXT,
+    NEEDLE_DEPTHS,
+    NEEDLE_PREFIX,
+    NEEDLE_TOKENS,
+    log,
+    measure,
+    window_nll,
+)
+
+from oscar_export.cache import bits_per_element  # noqa: E402
+from oscar_export.calibrate import _attention, _expand, _roundtrip, clip_errors  # noqa: E402
+from oscar_export.config import OscarConfig  # noqa: E402
+from oscar_export.evaluate import (  # noqa: E402
+    SPLIT_MARGIN,
+    EvalOscarKVCache,
+    Fp16Cache,
+    _oscar_method,
+    _text_tokens,
+    needle_cases,
+)
+from oscar_export.hf_cache import attention_shape  # noqa: E402
+from oscar_export.models import load_model  # noqa: E402
+
+SENSITIVITY_TOKENS = 2048
+# name -> (rule, layers with 3-bit K, sink, recent); each mixed row costs <= 3.0 bits per element at 8K.
+ROWS = {
+    "mixed-nll16/s16-r128": ("nll", 16, 16, 128),
+    "mixed-err16/s16-r128": ("err", 16, 16, 128),
+    "mixed-nll22/s16-r64": ("nll", 22, 16, 64),
+}
+
+
+class MixedKCache(EvalOscarKVCache):
+    """The evaluation's OSCAR cache with one config per layer (they differ only in K's bits and clip)."""
+
+    def __init__(self, configs: list[OscarConfig], shape, max_context: int, k_rot, v_rot):
+        layers, kv_heads, head_dim, _ = shape
+        super().__init__(max(configs, key=lambda c: c.k_bits), layers, kv_heads, head_dim, max_context, k_rot, v_rot)
+        self.configs = configs
+
+    def sequence(self, layer, q, k, v, first):
+        whole, self.config = self.config, self.configs[layer]
+        try:
+            return super().sequence(layer, q, k, v, first)
+        finally:
+            self.config = whole
+
+
+def mixed_bits(configs: list[OscarConfig], head_dim: int) -> float:
+    return sum(bits_per_element(c, head_dim, BITS_CONTEXT) for c in configs) / len(configs)
+
+
+def error_gains(heldout, rotations, cfg2: OscarConfig, cfg3: OscarConfig) -> list[float]:
+    """Per layer: attention-output relative error with only K quantized, 2-bit minus 3-bit."""
+    gains = []
+    for layer, (q, k, v) in sorted(heldout.items()):
+        exact = _attention(q, k, v)
+        rot = _expand(rotations["k"][layer], k.shape[0])
+        k_rot = (k.float() @ rot).to(torch.float16).float()
+        err = []
+        for cfg in (cfg2, cfg3):
+            back = _roundtrip(k_rot, cfg.k_bits, cfg.cluster_dim, cfg.k_clip, cfg.scale_dtype) @ rot.transpose(-1, -2)
+            err.append(float((_attention(q, back, v) - exact).norm() / exact.norm()))
+        gains.append(err[0] - err[1])
+    return gains
+
+
+def nll_gains(model, ids, make, cfg2: OscarConfig, cfg3: OscarConfig, layers: int) -> list[float]:
+    """Per layer: calibration NLL (sum over tokens) with every layer 2-bit K, less that with this layer 3-bit."""
+    first = max(cfg2.sink + cfg2.recent, CHUNK)
+
+    def total(configs):
+        return float(window_nll(model, ids, make(configs, len(ids)), first).sum())
+
+    base = total([cfg2] * layers)
+    gains = []
+    for layer in range(layers):
+        gains.append(base - total([cfg3 if i == layer else cfg2 for i in range(layers)]))
+        log(f"sensitivity layer {layer}: {gains[-1]:+.2f} nats")
+    return gains
+
+
+def write_report(args, rows, gains, started, final: bool) -> None:
+    base = rows["fp16"]["ppl"]
+    for r in rows.values():
+        r["ppl_increase"] = {c: 100 * (r["ppl"][c] / base[c] - 1) for c in CONTEXTS}
+    wall = round(time.perf_counter() - started, 1)
+    report = {"split": args.split, "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "contexts": CONTEXTS,
+              "complete": final, "rows": rows, "layer_gains": gains, "wall_s": wall}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"mixed_key_bits_{args.split}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    if not final:
+        return
+    lines = [f"SmolLM2-135M-Instruct, {args.split} split; per-KV-head rotations except oscar-2/g64 (today's "
+             f"default, per layer). One 8K window, one needle sequence; wall {wall:.0f} s "
+             f"(command in benchmarks/mixed_key_bits.py).", "",
+             "| config | bits/elem at 8K | ppl 2K | ppl 4K | ppl 8K | needle 4K | 3-bit K layers |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in sorted(rows.items(), key=lambda item: -item[1]["bits"]):
+        needle = "-" if r["needle"] is None else f"{r['needle']:.3f}"
+        layers = " ".join(map(str, r["k3_layers"])) if r.get("k3_layers") is not None else "-"
+        lines.append(f"| {name} | {r['bits']:.3f} | "
+                     + " | ".join(f"{r['ppl'][c]:.2f} ({r['ppl_increase'][c]:+.1f}%)" for c in CONTEXTS)
+                     + f" | {needle} | {layers} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--split", choices=("validation", "test"), default="validation")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated mixed rows, of {list(ROWS)}")
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/eval")
+    args = p.parse_args()
+    unknown = sorted(set(args.rows.split(",")) - set(ROWS))
+    if unknown:
+        sys.exit(f"--rows: unknown {unknown}: expected some of {list(ROWS)}")
+    torch.manual_seed(0)
+    gguf = ROOT / ".cache/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.is_file():
+        sys.exit("fetch the model first: bash scripts/fetch_smollm2.sh")
+    started = time.perf_counter()
+    model, tokenizer = load_model(str(gguf))
+    shape = attention_shape(model)
+    layers, kv_heads, head_dim, _ = shape
+    calibration_text, ids = _text_tokens(tokenizer, split_text(args.split), CALIB_TOKENS + CALIB_HELDOUT + SPLIT_MARGIN)
+    calibration_ids = torch.tensor(tokenizer(calibration_text, verbose=False)["input_ids"][:SENSITIVITY_TOKENS])
+    window = ids[:BITS_CONTEXT]
+    case = needle_cases(ids, NEEDLE_CONTEXT, NEEDLE_TOKENS, NEEDLE_PREFIX, NEEDLE_DEPTHS, 1)[0]
+    needle_length = NEEDLE_CONTEXT + 2 * len(NEEDLE_DEPTHS) * NEEDLE_TOKENS
+
+    calibration = (calibration_text, CALIB_TOKENS, CALIB_HELDOUT)
+    default = _oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, {})
+    fitted = {}
+    perhead = _oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, fitted,
+                            per_head=True)
+    rotations, heldout = fitted["rotations"], fitted["heldout"]
+    cfg2 = perhead.config
+    k3_errors = clip_errors(heldout, rotations, replace(cfg2, k_bits=3), "k")
+    cfg3 = replace(cfg2, k_bits=3, k_clip=min(k3_errors, key=k3_errors.get))
+    log(f"clip K: 2-bit {cfg2.k_clip}, 3-bit {cfg3.k_clip}; V {cfg2.v_clip}")
+
+    def make(configs, n):
+        return MixedKCache(configs, shape, n, rotations["k"], rotations["v"])
+
+    def run(name, configs, k3_layers=None):
+        rows[name] = measure(model, lambda n: make(configs, n), configs[0], window, case, needle_length, head_dim)
+        rows[name].update(bits=mixed_bits(configs, head_dim), k3_layers=k3_layers,
+                          config={"k2": configs[0].to_dict(), "k3_clip": cfg3.k_clip})
+        log(f"{name}: {rows[name]}")
+        write_report(args, rows, gains, started, final=False)
+
+    rows, gains = {}, {}
+    rows["fp16"] = measure(model, lambda n: Fp16Cache(layers, kv_heads, head_dim, n), None, window, case,
+                           needle_length, head_dim)
+    rows["oscar-2/g64"] = measure(model, default.make, default.config, window, case, needle_length, head_dim)
+    windows = sorted({ROWS[name][2:] for name in args.rows.split(",")})
+    for sink, recent in windows:
+        w2, w3 = replace(cfg2, sink=sink, recent=recent), replace(cfg3, sink=sink, recent=recent)
+        run(f"oscar-k3v2/s{sink}-r{recent}", [w3] * layers, list(range(layers)))
+    for name in args.rows.split(","):
+        rule, count, sink, recent = ROWS[name]
+        w2, w3 = replace(cfg2, sink=sink, recent=recent), replace(cfg3, sink=sink, recent=recent)
+        key = f"{rule}/s{sink}-r{recent}"
+        if key not in gains:
+            gains[key] = (error_gains(heldout, rotations, w2, w3) if rule == "err"
+                          else nll_gains(model, calibration_ids, make, w2, w3, layers))
+        chosen = sorted(sorted(range(layers), key=lambda i: -gains[key][i])[:count])
+        run(name, [w3 if i in chosen else w2 for i in range(layers)], chosen)
+        if rows[name]["bits"] > 3.0 + 1e-9:
+            raise SystemExit(f"{name} costs {rows[name]['bits']:.4f} bits per element: over the 3.0 budget")
+    write_report(args, rows, gains, started, final=True)
+    log(f"wall {math.ceil(time.perf_counter() - started)} s")
+
+
+if __name__ == "__main__":
+    main()
