@@ -7,7 +7,7 @@ rotations) and 3-bit K in every layer at the same windows (the mix's upper bound
     nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py --split test --rows mixed-nll16/s16-r128
 
 The two took 17 and 9 minutes on 2 CPU cores (each 8K window plus needle about a minute; the "nll"
-sensitivity, 31 passes of 2,048 tokens, most of the rest); peak memory stays near 2 GB.
+sensitivity, 31 passes of 2,048 tokens, most of the rest).
 
 Same split, calibration and metrics as benchmarks/smollm2_levers.py (one 8K window for perplexity at
 2K/4K/8K, one needle sequence for retrieval). Rotations are fitted per KV head (the best 2-bit lever
