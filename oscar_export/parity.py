@@ -220,36 +220,47 @@ def _codes_mismatches(got: dict, want: dict, config: dict, slots: int | None = N
 
 
 def _divergence(got: dict, reference: dict, rel_limit: float) -> dict:
-    """Where the greedy tokens first differ, and whether that step is a near tie in the reference: its top token
-    leads the runtime's by at most 2 * rel_limit * ||logits||, a gap any runtime within the logits limit could
-    close. After a divergence the two runs read different tokens, so nothing later is comparable."""
+    """Where the tokens first differ, and whether each step where they differ is a near tie in the reference: its
+    top token leads the runtime's by at most 2 * rel_limit * ||logits||, a gap any runtime within the logits limit
+    could close (tie_margin: the widest such lead). A greedy run reads different tokens after its first
+    difference, so nothing later is comparable; a run fed the reference's tokens (got["forced"]) reads the same
+    prefix at every step, so every step is checked."""
     import numpy as np
 
     pairs = list(zip(got["tokens"], reference["tokens"]))
-    step = next((i for i, (g, w) in enumerate(pairs) if g is not None and g != w), None)
-    if step is None:
+    steps = [i for i, (g, w) in enumerate(pairs) if g is not None and g != w]
+    if not got.get("forced"):
+        steps = steps[:1]
+    if not steps:
         return {"tokens_match": len(got["tokens"]) == len(reference["tokens"]), "diverged_at": None, "near_tie": False,
-                "tie_margin": None}
-    logits = reference["logits"][step]
-    margin = float(logits[reference["tokens"][step]] - logits[got["tokens"][step]])
-    return {"tokens_match": False, "diverged_at": step, "tie_margin": margin,
-            # abs: in a doctored or foreign trace the reference token need not be its own logits' argmax
-            "near_tie": abs(margin) <= 2 * rel_limit * float(np.linalg.norm(logits))}
+                "tie_margin": None, "tokens_differing": 0, "not_a_tie_at": None}
+    ties, margins = [], []
+    for step in steps:
+        logits = reference["logits"][step]
+        margin = float(logits[reference["tokens"][step]] - logits[got["tokens"][step]])
+        # abs: in a doctored or foreign trace the reference token need not be its own logits' argmax
+        ties.append(abs(margin) <= 2 * rel_limit * float(np.linalg.norm(logits)))
+        margins.append(margin)
+    return {"tokens_match": False, "diverged_at": steps[0], "near_tie": all(ties),
+            "tie_margin": max(margins, key=abs), "tokens_differing": len(steps),
+            "not_a_tie_at": next((step for step, tie in zip(steps, ties) if not tie), None)}
 
 
 def compare_artifact_traces(got: dict, reference: dict, config: dict, prompt_tokens: int,
                             limits: dict = ARTIFACT_THRESHOLDS) -> dict:
-    """A runtime's trace against the reference: tokens, logits and codes. The greedy tokens must match, or part at
-    a near tie (_divergence); logits and codes are compared up to that step. A runtime that gives tokens only (the
-    stock C++ runner) is held to its tokens, where an id it could not recover from its text counts as equal."""
+    """A runtime's trace against the reference: tokens, logits and codes. The tokens must match, or differ only at
+    near ties (_divergence). A runtime fed the reference's tokens (got["forced"]) is compared at every step, its
+    logits and codes over the whole run; a greedy one up to its first difference. A runtime that gives tokens only
+    (the stock C++ runner) is held to its tokens, where an id it could not recover from its text counts as equal."""
     import numpy as np
 
-    row = {"tokens": got["tokens"], **_divergence(got, reference, limits["logits_max_rel_error"])}
+    row = {"tokens": got["tokens"], "forced": bool(got.get("forced")),
+           **_divergence(got, reference, limits["logits_max_rel_error"])}
     tokens_ok = row["tokens_match"] or row["near_tie"]
     if got["logits"] is None:
         return {**row, "logits_max_abs_error": None, "logits_max_rel_error": None, "codes_mismatched": None,
                 "codes_mismatch_fraction": None, "ok": tokens_ok}
-    upto = None if row["diverged_at"] is None else row["diverged_at"] + 1
+    upto = None if row["diverged_at"] is None or row["forced"] else row["diverged_at"] + 1
     pairs = list(zip(got["logits"][:upto], reference["logits"][:upto]))
     # Body slot j holds position sink + j; positions from prompt + divergence on hold different tokens.
     slots = None if upto is None else max(prompt_tokens + row["diverged_at"] - config["sink"], 0)
@@ -267,8 +278,10 @@ def tokens_verdict(row: dict) -> str:
     if row["tokens_match"]:
         return "match"
     if row["near_tie"]:
+        if row.get("tokens_differing", 1) > 1:
+            return f"{row['tokens_differing']} near ties, the first at step {row['diverged_at']}"
         return f"near tie at step {row['diverged_at']}"
-    return "DIFFER" if row["diverged_at"] is None else f"DIFFER at step {row['diverged_at']}"
+    return "DIFFER" if row["diverged_at"] is None else f"DIFFER at step {row['not_a_tie_at']}"
 
 
 def run_artifact_parity(directory, ids: list[int], steps: int, against=None) -> dict:
@@ -306,7 +319,7 @@ def run_artifact_parity(directory, ids: list[int], steps: int, against=None) -> 
         if name == REFERENCE:
             got = reference_trace(directory, ids, steps)
         else:
-            got = target.trace(directory, manifest, name, ids, steps)
+            got = target.trace(directory, manifest, name, ids, steps, forced=reference["tokens"])
         if "skipped" in got:  # this prompt cannot be given to this runtime
             report["unavailable"][name] = got["skipped"]
             continue
@@ -345,8 +358,9 @@ def artifact_parity_command(args, out) -> int:
         print(json.dumps(report, indent=2))
     else:
         table = Table(title=f"Parity of {args.artifact} ({report['target']}, weights {report['weights']}): "
-                            f"{report['prompt_tokens']}-token prompt, {report['steps']} greedy steps, against the "
-                            f"{report['reference']}")
+                            f"{report['prompt_tokens']}-token prompt, {report['steps']} decode steps, against the "
+                            f"{report['reference']}; a runtime with logits is fed the reference's tokens, and "
+                            f"tokens compares its own pick at each step")
         for col in ("runtime", "codes mismatch", "logits max abs err", "logits max rel err", "tokens", "verdict"):
             table.add_column(col)
 

@@ -90,3 +90,38 @@ def test_artifact_traces_part_only_at_a_near_tie():
     runner = {"tokens": [3, 2, 0], "logits": None, "codes": None}
     assert compare_artifact_traces(runner, ref, config, prompt_tokens=8)["ok"]
     assert not compare_artifact_traces({**runner, "tokens": [3, 0, 0]}, ref, config, prompt_tokens=8)["ok"]
+
+
+def test_a_runtime_fed_the_reference_tokens_is_checked_at_every_step():
+    config = {"k_bits": 2, "v_bits": 2, "sink": 4}
+    codes = np.arange(2 * 10 * 4, dtype=np.uint8).reshape(2, 10, 4)
+    ref_logits = [[0, 5.0, 4.99, 0], [0, 0, 7.0, 0], [0, 0, 0, 6.0]]
+    ref = artifact_trace([1, 2, 3], ref_logits, codes)
+    # Step 0 is a near tie the runtime picks the other way; fed the reference's tokens, it reads the same prefix
+    # afterwards, so its later steps, logits and codes are held to the reference too.
+    tied = artifact_trace([2, 2, 3], [[0, 4.995, 4.996, 0], [0, 0, 7.0, 0], [0, 0, 0, 6.0]], codes)
+    row = compare_artifact_traces({**tied, "forced": True}, ref, config, prompt_tokens=8)
+    assert row["ok"] and row["forced"] and row["near_tie"] and row["tokens_differing"] == 1
+    assert tokens_verdict(row) == "near tie at step 0"
+
+    # A sure difference after the tie: a greedy run stops comparing at the tie and passes; a forced one fails.
+    late = artifact_trace([2, 2, 0], tied["logits"][:2] + [[6.5, 0, 0, 6.0]], codes)
+    assert compare_artifact_traces(late, ref, config, prompt_tokens=8)["ok"]
+    row = compare_artifact_traces({**late, "forced": True}, ref, config, prompt_tokens=8)
+    assert not row["ok"] and row["tokens_differing"] == 2 and tokens_verdict(row) == "DIFFER at step 2"
+
+    # Logits and codes after the tie count too.
+    row = compare_artifact_traces({**tied, "logits": tied["logits"][:2] + [np.asarray([0, 0, 3.0, 6.0], np.float32)],
+                                   "forced": True}, ref, config, prompt_tokens=8)
+    assert not row["ok"] and row["logits_max_rel_error"] > 0.1
+    later = codes.copy()
+    later[:, 9] ^= 0xFF
+    row = compare_artifact_traces({**tied, "codes": {"layer0.k_codes": later}, "forced": True}, ref, config,
+                                  prompt_tokens=8)
+    assert not row["ok"] and row["codes_mismatched"] == 2 * 4 * 4  # 2 heads, 4 bytes of four 2-bit codes
+
+    # Several near ties and nothing else: ok, and counted.
+    two = artifact_trace([2, 2, 0], tied["logits"][:2] + [[6.0, 0, 0, 5.99]], codes)
+    ref_tie = artifact_trace([1, 2, 3], ref_logits[:2] + [[5.99, 0, 0, 6.0]], codes)
+    row = compare_artifact_traces({**two, "forced": True}, ref_tie, config, prompt_tokens=8)
+    assert row["ok"] and tokens_verdict(row) == "2 near ties, the first at step 0"

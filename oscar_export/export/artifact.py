@@ -384,16 +384,21 @@ class GreedyLM:
             logits = self.step(ids[start:start + self.max_chunk])
         return logits
 
-    def trace(self, ids, steps: int, eos_token_ids=()) -> tuple[list[int], list[np.ndarray]]:
+    def trace(self, ids, steps: int, eos_token_ids=(), forced=None) -> tuple[list[int], list[np.ndarray]]:
         """Greedy tokens after the prompt, stopping after an EOS token or `steps` tokens, and the logits
-        each came from: the prefill's, then each decode step's."""
+        each came from: the prefill's, then each decode step's. forced: the tokens to feed instead of
+        its own (teacher forcing; `steps` is then at most their count), so every step reads the prefix
+        another run read, while the returned tokens stay this runtime's own picks."""
+        if forced is not None:
+            steps = min(steps, len(forced))
         logits, tokens, seen = self.prefill(ids), [], []
         while len(tokens) < steps:
             seen.append(logits)
             tokens.append(int(np.argmax(logits)))
-            if tokens[-1] in eos_token_ids or len(tokens) == steps:
+            fed = tokens[-1] if forced is None else int(forced[len(tokens) - 1])
+            if fed in eos_token_ids or len(tokens) == steps:
                 break
-            logits = self.step([tokens[-1]])
+            logits = self.step([fed])
         return tokens, seen
 
     def generate(self, ids, max_new_tokens: int, eos_token_ids=()) -> list[int]:

@@ -124,12 +124,14 @@ class Target:
         """Runtimes of this target that cannot run here: name -> why."""
         return {}
 
-    def trace(self, directory: Path, manifest: dict, runtime: str, ids: list[int], steps: int) -> dict:
+    def trace(self, directory: Path, manifest: dict, runtime: str, ids: list[int], steps: int,
+              forced: list[int] | None = None) -> dict:
         """Greedy tokens, each step's logits and the packed body codes by cache name (parity.py); or
-        {"skipped": why} when this runtime cannot be given this prompt."""
+        {"skipped": why} when this runtime cannot be given this prompt. forced: the reference's tokens, fed
+        instead of the runtime's own (GreedyLM.trace); "forced" in the result says whether they were."""
         runner = self.runner(directory, manifest, runtime, 0)
-        tokens, logits = runner.trace(ids, steps, manifest["eos_token_ids"])
-        return {"tokens": tokens, "logits": logits, "codes": runner.body_codes()}
+        tokens, logits = runner.trace(ids, steps, manifest["eos_token_ids"], forced)
+        return {"tokens": tokens, "logits": logits, "codes": runner.body_codes(), "forced": forced is not None}
 
     # -- bench ---------------------------------------------------------------------------------
 

@@ -115,7 +115,7 @@ class _NoteTarget(Target):
     packages = ("oscar-export", "torch")
     runtimes = {"eager": "the reference graph again", "picky": "a runtime that cannot take every prompt"}
 
-    def trace(self, directory, manifest, runtime, ids, steps):
+    def trace(self, directory, manifest, runtime, ids, steps, forced=None):
         if runtime == "picky":
             return {"skipped": "it takes text, and this prompt's text does not tokenize back"}
         return reference_trace(directory, ids, steps)

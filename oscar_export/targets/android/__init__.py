@@ -303,17 +303,17 @@ class AndroidTarget(Target):
         # than ties, so more body codes may differ (measured 1.3e-3 on the bundled model).
         return {} if manifest["weights"] == "float32" else {"codes_mismatch_fraction": 5e-3}
 
-    def trace(self, directory, manifest, runtime, ids, steps):
+    def trace(self, directory, manifest, runtime, ids, steps, forced=None):
         if runtime != "stock-runner":
-            return super().trace(directory, manifest, runtime, ids, steps)
+            return super().trace(directory, manifest, runtime, ids, steps, forced)
         from transformers import AutoTokenizer
 
         from .et_runner import stock_runner_generate
 
         from ...export.artifact import prompt_ids
 
-        # The C++ runner tokenizes text itself and returns pieces: it is compared on tokens alone, and only on a
-        # prompt whose text tokenizes back to the same ids.
+        # The C++ runner tokenizes text itself and returns pieces: it is compared on its own greedy tokens alone
+        # (it cannot be fed others), and only on a prompt whose text tokenizes back to the same ids.
         tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         text = tokenizer.decode(ids)
         if prompt_ids(tokenizer, text) != list(ids):
