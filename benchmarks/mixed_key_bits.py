@@ -38,16 +38,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from smollm2_levers import CONTEXTS, split_text  # noqa: E402
+from smollm2_levers import CONTEXTS  # noqa: E402
 from subspace_clustering import (  # noqa: E402
     BITS_CONTEXT,
     CALIB_HELDOUT,
     CALIB_TOKENS,
     CHUNK,
-    NEEDLE_CONTEXT,
-    NEEDLE_DEPTHS,
-    NEEDLE_PREFIX,
-    NEEDLE_TOKENS,
+    load_split,
     log,
     measure,
     window_nll,
@@ -56,16 +53,8 @@ from subspace_clustering import (  # noqa: E402
 from oscar_export.cache import bits_per_element  # noqa: E402
 from oscar_export.calibrate import _attention, _expand, _roundtrip, clip_errors  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate import (  # noqa: E402
-    SPLIT_MARGIN,
-    EvalOscarKVCache,
-    Fp16Cache,
-    _oscar_method,
-    _text_tokens,
-    needle_cases,
-)
+from oscar_export.evaluate import EvalOscarKVCache, Fp16Cache, _oscar_method  # noqa: E402
 from oscar_export.hf_cache import attention_shape  # noqa: E402
-from oscar_export.models import load_model  # noqa: E402
 
 SENSITIVITY_TOKENS = 2048
 # name -> (rule, layers with 3-bit K, sink, recent); each mixed row costs <= 3.0 bits per element at 8K.
@@ -162,19 +151,11 @@ def main() -> None:
     unknown = sorted(set(args.rows.split(",")) - set(ROWS))
     if unknown:
         sys.exit(f"--rows: unknown {unknown}: expected some of {list(ROWS)}")
-    torch.manual_seed(0)
-    gguf = ROOT / ".cache/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not gguf.is_file():
-        sys.exit("fetch the model first: bash scripts/fetch_smollm2.sh")
     started = time.perf_counter()
-    model, tokenizer = load_model(str(gguf))
+    model, tokenizer, calibration_text, window, case, needle_length = load_split(args.split)
     shape = attention_shape(model)
     layers, kv_heads, head_dim, _ = shape
-    calibration_text, ids = _text_tokens(tokenizer, split_text(args.split), CALIB_TOKENS + CALIB_HELDOUT + SPLIT_MARGIN)
     calibration_ids = torch.tensor(tokenizer(calibration_text, verbose=False)["input_ids"][:SENSITIVITY_TOKENS])
-    window = ids[:BITS_CONTEXT]
-    case = needle_cases(ids, NEEDLE_CONTEXT, NEEDLE_TOKENS, NEEDLE_PREFIX, NEEDLE_DEPTHS, 1)[0]
-    needle_length = NEEDLE_CONTEXT + 2 * len(NEEDLE_DEPTHS) * NEEDLE_TOKENS
 
     calibration = (calibration_text, CALIB_TOKENS, CALIB_HELDOUT)
     default = _oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, {})

@@ -348,6 +348,20 @@ def write_report(args, rows, proxy, fit_log, started, final: bool) -> None:
     print("\n".join(lines))
 
 
+def load_split(split: str, needle: bool = True):
+    """SmolLM2 and one split, as the lever sweep reads them: (model, tokenizer, calibration text, the 8K
+    perplexity window, the needle case or None, the needle sequence's length)."""
+    torch.manual_seed(0)
+    gguf = ROOT / ".cache/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not gguf.is_file():
+        sys.exit("fetch the model first: bash scripts/fetch_smollm2.sh")
+    model, tokenizer = load_model(str(gguf))
+    calibration_text, ids = _text_tokens(tokenizer, split_text(split), CALIB_TOKENS + CALIB_HELDOUT + SPLIT_MARGIN)
+    case = needle_cases(ids, NEEDLE_CONTEXT, NEEDLE_TOKENS, NEEDLE_PREFIX, NEEDLE_DEPTHS, 1)[0] if needle else None
+    return (model, tokenizer, calibration_text, ids[:BITS_CONTEXT], case,
+            NEEDLE_CONTEXT + 2 * len(NEEDLE_DEPTHS) * NEEDLE_TOKENS)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--split", choices=("validation", "test"), default="validation")
@@ -355,20 +369,10 @@ def main() -> None:
     p.add_argument("--no-needle", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/eval")
     args = p.parse_args()
-    torch.manual_seed(0)
-    gguf = ROOT / ".cache/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not gguf.is_file():
-        sys.exit("fetch the model first: bash scripts/fetch_smollm2.sh")
     started = time.perf_counter()
-    model, tokenizer = load_model(str(gguf))
+    model, tokenizer, calibration_text, window, case, needle_length = load_split(args.split, not args.no_needle)
     shape = attention_shape(model)
     layers, kv_heads, head_dim, _ = shape
-    text = split_text(args.split)
-    calibration_text, ids = _text_tokens(tokenizer, text, CALIB_TOKENS + CALIB_HELDOUT + SPLIT_MARGIN)
-    window = ids[:BITS_CONTEXT]
-    case = None if args.no_needle else needle_cases(ids, NEEDLE_CONTEXT, NEEDLE_TOKENS, NEEDLE_PREFIX,
-                                                    NEEDLE_DEPTHS, 1)[0]
-    needle_length = NEEDLE_CONTEXT + 2 * len(NEEDLE_DEPTHS) * NEEDLE_TOKENS
 
     # Baselines exactly as the lever sweep builds them (rotation fit, clip search).
     calibration = (calibration_text, CALIB_TOKENS, CALIB_HELDOUT)
