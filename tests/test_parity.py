@@ -24,8 +24,11 @@ def test_triton_runs_here_through_the_interpreter():
 
 
 def test_parity_on_a_tiny_model_passes_for_every_runtime():
+    # Fixed rotations: each runtime's run estimates online rotations from its own prompt pass, and on this random
+    # model a 40-token prompt gives near-degenerate covariances, so the ~5e-5 differences between two passes that
+    # occur in about one fresh process in fifteen turn the eigenvectors and move the logits by ~7e-2.
     report = run_parity(tiny_model("llama"), torch.randint(0, 120, (1, 40)), 5,
-                        OscarConfig(sink=4, recent=8, cluster_dim=32), rotations="online")
+                        OscarConfig(sink=4, recent=8, cluster_dim=32), rotations="hadamard")
     assert set(report["runtimes"]) == {"reference", "triton"} and report["ok"]
     triton = report["runtimes"]["triton"]
     assert triton["codes_mismatch_fraction"] == 0 and triton["tokens_match"]
