@@ -51,7 +51,7 @@ from subspace_clustering import (  # noqa: E402
 )
 
 from oscar_export.cache import bits_per_element  # noqa: E402
-from oscar_export.calibrate import _attention, _expand, _roundtrip, clip_errors  # noqa: E402
+from oscar_export.calibrate import clip_errors  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
 from oscar_export.evaluate import EvalOscarKVCache, Fp16Cache, _oscar_method  # noqa: E402
 from oscar_export.hf_cache import attention_shape  # noqa: E402
@@ -87,17 +87,10 @@ def mixed_bits(configs: list[OscarConfig], head_dim: int) -> float:
 
 def error_gains(heldout, rotations, cfg2: OscarConfig, cfg3: OscarConfig) -> list[float]:
     """Per layer: attention-output relative error with only K quantized, 2-bit minus 3-bit."""
-    gains = []
-    for layer, (q, k, v) in sorted(heldout.items()):
-        exact = _attention(q, k, v)
-        rot = _expand(rotations["k"][layer], k.shape[0])
-        k_rot = (k.float() @ rot).to(torch.float16).float()
-        err = []
-        for cfg in (cfg2, cfg3):
-            back = _roundtrip(k_rot, cfg.k_bits, cfg.cluster_dim, cfg.k_clip, cfg.scale_dtype) @ rot.transpose(-1, -2)
-            err.append(float((_attention(q, back, v) - exact).norm() / exact.norm()))
-        gains.append(err[0] - err[1])
-    return gains
+    def error(layer, cfg):
+        return clip_errors({layer: heldout[layer]}, rotations, cfg, "k", (cfg.k_clip,))[cfg.k_clip]
+
+    return [error(layer, cfg2) - error(layer, cfg3) for layer in sorted(heldout)]
 
 
 def nll_gains(model, ids, make, cfg2: OscarConfig, cfg3: OscarConfig, layers: int) -> list[float]:
@@ -174,7 +167,7 @@ def main() -> None:
     def run(name, configs, k3_layers=None):
         rows[name] = measure(model, lambda n: make(configs, n), configs[0], window, case, needle_length, head_dim)
         rows[name].update(bits=mixed_bits(configs, head_dim), k3_layers=k3_layers,
-                          config={"k2": configs[0].to_dict(), "k3_clip": cfg3.k_clip})
+                          config={f"k{c.k_bits}": c.to_dict() for c in configs})
         log(f"{name}: {rows[name]}")
         write_report(args, rows, gains, started, final=False)
 
