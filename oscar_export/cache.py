@@ -38,10 +38,15 @@ def cache_bytes(config: OscarConfig, layers: int, kv_heads: int, head_dim: int, 
     """Bytes a cache of max_context tokens allocates: fp16 windows plus packed K and V bodies."""
     sink, recent, body = capacities(config, max_context)
     window = (sink + recent) * head_dim * 2 * 2  # K and V, 2 bytes each
-    packed = body * sum(
+    packed = body * sum(_body_bytes_per_token(c, head_dim) for c in config.layers(layers))
+    return kv_heads * (layers * window + packed)
+
+
+def _body_bytes_per_token(config: OscarConfig, head_dim: int) -> int:
+    """Packed K plus V bytes of one body token in one KV head, for a one-width (per-layer) config."""
+    return sum(
         body_bytes_per_vector(head_dim, config.bits(kind), config.cluster_dim, config.scale_bytes) for kind in KINDS
     )
-    return layers * kv_heads * (window + packed)
 
 
 def bits_per_element(config: OscarConfig, head_dim: int, context: int) -> float:
@@ -50,9 +55,8 @@ def bits_per_element(config: OscarConfig, head_dim: int, context: int) -> float:
         raise OscarInputError(f"context={context}: expected a positive token count")
     windows = min(context, config.sink + config.recent)
     body = context - windows
-    per_body_token = sum(
-        body_bytes_per_vector(head_dim, config.bits(kind), config.cluster_dim, config.scale_bytes) for kind in KINDS
-    )
+    layers = config.layers(len(config.k_bits_by_layer) or 1)
+    per_body_token = sum(_body_bytes_per_token(c, head_dim) for c in layers) / len(layers)
     bits = windows * 2 * head_dim * 16 + body * per_body_token * 8
     return bits / (context * 2 * head_dim)
 
@@ -111,6 +115,7 @@ class OscarKVCache:
         for name, value in (("layers", layers), ("kv_heads", kv_heads), ("max_context", max_context)):
             if not isinstance(value, int) or value <= 0:
                 raise OscarInputError(f"{name}={value!r}: expected a positive integer")
+        self.layer_configs = config.layers(layers)
         self.config, self.layers, self.kv_heads, self.head_dim = config, layers, kv_heads, head_dim
         self.max_context, self.device = max_context, torch.device(device)
         self.rotation = {
@@ -122,12 +127,12 @@ class OscarKVCache:
         }
         self.levels = {}
         for kind, given in (("k", k_levels), ("v", v_levels)):
-            bits = config.bits(kind)
             if config.codebook == "uniform":
                 if given is not None:
                     raise OscarInputError(f"{kind}_levels given but codebook='uniform': expected None")
                 self.levels[kind] = [None] * layers
             else:
+                bits = config.bits(kind)  # a Lloyd-Max config has one width (OscarConfig checks)
                 if given is None or len(given) != layers:
                     raise OscarInputError(f"{kind}_levels: expected {layers} Lloyd-Max codebooks of {2**bits} levels")
                 self.levels[kind] = [check_levels(lv, bits, f"{kind}_levels[{i}]") for i, lv in enumerate(given)]
@@ -140,10 +145,12 @@ class OscarKVCache:
         self.recent = {
             kind: torch.zeros(layers, kv_heads, recent, head_dim, dtype=WINDOW_DTYPE, device=dev) for kind in KINDS
         }
+        # One tensor per layer: a layer's code width is its own (k_bits_by_layer).
         self.codes = {
-            kind: torch.zeros(
-                layers, kv_heads, body, packed_bytes(head_dim, config.bits(kind)), dtype=torch.uint8, device=dev
-            )
+            kind: [
+                torch.zeros(kv_heads, body, packed_bytes(head_dim, c.bits(kind)), dtype=torch.uint8, device=dev)
+                for c in self.layer_configs
+            ]
             for kind in KINDS
         }
         self.scale = {kind: torch.zeros(layers, kv_heads, body, groups, dtype=sdt, device=dev) for kind in KINDS}
@@ -152,8 +159,10 @@ class OscarKVCache:
 
     @property
     def nbytes(self) -> int:
-        regions = (self.sink, self.recent, self.codes, self.scale, self.zero)
-        return sum(t.numel() * t.element_size() for region in regions for t in region.values())
+        regions = (self.sink, self.recent, self.scale, self.zero)
+        codes = [t for per_layer in self.codes.values() for t in per_layer]
+        tensors = [t for region in regions for t in region.values()] + codes
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     # -- rotation -------------------------------------------------------------------------
     def _rotation_per_head(self, kind: str, layer: int, heads: int) -> torch.Tensor | None:
@@ -198,7 +207,7 @@ class OscarKVCache:
         return x_rot.to(WINDOW_DTYPE)
 
     def _quantize_into_body(self, kind: str, layer: int, first: int, values: torch.Tensor, quantizer=quantize) -> None:
-        cfg = self.config
+        cfg = self.layer_configs[layer]
         q = quantizer(
             values.to(torch.float32),
             cfg.bits(kind),
@@ -208,7 +217,7 @@ class OscarKVCache:
             cfg.scale_dtype,
         )
         end = first + values.shape[1]
-        self.codes[kind][layer, :, first:end] = q.codes
+        self.codes[kind][layer][:, first:end] = q.codes
         self.scale[kind][layer, :, first:end] = q.scale
         self.zero[kind][layer, :, first:end] = q.zero
 
@@ -265,10 +274,10 @@ class OscarKVCache:
         if n_body:
             parts.append(
                 dequantize(
-                    self.codes[kind][layer, :, :n_body],
+                    self.codes[kind][layer][:, :n_body],
                     self.scale[kind][layer, :, :n_body],
                     self.zero[kind][layer, :, :n_body],
-                    self.config.bits(kind),
+                    self.layer_configs[layer].bits(kind),
                     self.config.cluster_dim,
                     self.levels[kind][layer],
                 )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 SUPPORTED_BITS = (2, 3, 4)
 SUPPORTED_CLUSTER_DIMS = (32, 64, 128)
@@ -34,8 +34,17 @@ class OscarConfig:
     sink: int = 64
     recent: int = 256
     scale_dtype: str = "float16"
+    # K's width and clip per layer, for a cache whose sensitive layers get one more bit (calibrate --budget-bits
+    # chooses them). Empty: every layer has k_bits and k_clip. Given: k_bits is the narrowest width, the base.
+    k_bits_by_layer: tuple[int, ...] = ()
+    k_clip_by_layer: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        # JSON gives lists; frozen fields are compared and hashed as tuples.
+        for name in ("k_bits_by_layer", "k_clip_by_layer"):
+            value = getattr(self, name)
+            _check(isinstance(value, (list, tuple)), f"{name}={value!r}: expected a list, one entry per layer")
+            object.__setattr__(self, name, tuple(value))
         for name in ("k_bits", "v_bits"):
             value = getattr(self, name)
             _check(
@@ -64,6 +73,22 @@ class OscarConfig:
             self.scale_dtype in SCALE_DTYPES,
             f"scale_dtype={self.scale_dtype!r}: expected one of {SCALE_DTYPES}",
         )
+        if self.k_bits_by_layer or self.k_clip_by_layer:
+            self._check_by_layer()
+
+    def _check_by_layer(self) -> None:
+        widths, clips = self.k_bits_by_layer, self.k_clip_by_layer
+        _check(len(widths) == len(clips) > 0, f"k_bits_by_layer has {len(widths)} entries and k_clip_by_layer "
+               f"{len(clips)}: expected both, one entry per layer")
+        for i, (bits, clip) in enumerate(zip(widths, clips)):
+            try:
+                OscarConfig(k_bits=bits, k_clip=clip)  # the checks of a whole-cache width and clip
+            except OscarInputError as error:
+                raise OscarInputError(f"layer {i} of k_bits_by_layer / k_clip_by_layer: {error}") from None
+        _check(self.k_bits == min(widths), f"k_bits={self.k_bits} with k_bits_by_layer {list(widths)}: expected "
+               f"k_bits={min(widths)}, the narrowest layer's width")
+        # Lloyd-Max levels are one table of 2**bits levels per kind and layer, fitted at one width.
+        _check(self.codebook == "uniform", f"codebook={self.codebook!r} with k_bits_by_layer: expected 'uniform'")
 
     def check_head_dim(self, head_dim: int) -> None:
         """cluster_dim groups must tile head_dim exactly."""
@@ -73,18 +98,56 @@ class OscarConfig:
             f"expected a cluster_dim in {tuple(c for c in SUPPORTED_CLUSTER_DIMS if head_dim % c == 0)}",
         )
 
+    @property
+    def mixed(self) -> bool:
+        """K's width differs between layers: ask layer(i) for a layer's format."""
+        return bool(self.k_bits_by_layer)
+
     def bits(self, kind: str) -> int:
+        if kind == "k" and self.mixed:
+            raise OscarInputError("K's width is per layer in this config (k_bits_by_layer): expected a "
+                                  "question about one layer, config.layer(i)")
         return {"k": self.k_bits, "v": self.v_bits}[kind]
 
     def clip(self, kind: str) -> float:
+        if kind == "k" and self.mixed:
+            raise OscarInputError("K's clip is per layer in this config (k_clip_by_layer): expected a "
+                                  "question about one layer, config.layer(i)")
         return {"k": self.k_clip, "v": self.v_clip}[kind]
+
+    def check_layers(self, layers: int) -> None:
+        _check(not self.mixed or len(self.k_bits_by_layer) == layers,
+               f"k_bits_by_layer has {len(self.k_bits_by_layer)} entries: expected one per layer, {layers}")
+
+    def layer(self, i: int) -> "OscarConfig":
+        """Layer i's format, with one K width."""
+        if not self.mixed:
+            return self
+        return replace(self, k_bits=self.k_bits_by_layer[i], k_clip=self.k_clip_by_layer[i], k_bits_by_layer=(),
+                       k_clip_by_layer=())
+
+    def layers(self, count: int) -> list["OscarConfig"]:
+        """Every layer's format, for a model of `count` layers."""
+        self.check_layers(count)
+        return [self.layer(i) for i in range(count)]
+
+    def describe(self) -> str:
+        """K2/V2, or K2 (3 in 16 of 30 layers)/V2."""
+        if not self.mixed:
+            return f"K{self.k_bits}/V{self.v_bits}"
+        wider = sum(bits > self.k_bits for bits in self.k_bits_by_layer)
+        top = max(self.k_bits_by_layer)
+        return f"K{self.k_bits} ({top} in {wider} of {len(self.k_bits_by_layer)} layers)/V{self.v_bits}"
 
     @property
     def scale_bytes(self) -> int:
         return 4 if self.scale_dtype == "float32" else 2
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        for name in ("k_bits_by_layer", "k_clip_by_layer"):
+            data[name] = list(data[name])
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
@@ -112,11 +175,19 @@ def default_cluster_dim(head_dim: int | None) -> int:
     return max(fitting)
 
 
-def metadata_defaults(metadata: dict | None) -> dict:
-    """Cache format fields a rotation file's metadata gives where the user set none: its clip ratios and
-    codebook, and the whole format when `calibrate --budget-bits` chose it (bits, group, windows)."""
+def with_metadata_defaults(fields: dict, metadata: dict | None) -> dict:
+    """`fields` (OscarConfig fields, None where the user set none) completed by a rotation file's metadata: its
+    clip ratios and codebook, and the whole format when `calibrate --budget-bits` chose it (bits, group, windows,
+    per-layer K). A K width or clip the user gives holds for every layer, so the file's per-layer K then does not
+    apply."""
     meta = metadata or {}
     keys = ("k_clip", "v_clip", "codebook")
     if meta.get("budget_bits") is not None:
         keys += ("k_bits", "v_bits", "cluster_dim", "sink", "recent")
-    return {key: meta[key] for key in keys if meta.get(key) is not None}
+        if fields.get("k_bits") is None and fields.get("k_clip") is None:
+            keys += ("k_bits_by_layer", "k_clip_by_layer")
+    filled = dict(fields)
+    for key in keys:
+        if filled.get(key) is None and meta.get(key) is not None:
+            filled[key] = meta[key]
+    return filled

@@ -280,7 +280,7 @@ class EvalOscarKVCache(OscarKVCache):
         the codes _store would write (quantize of the same fp16 vectors, one token at a time)."""
         window = self._rotated_chunks(layer, k, v)  # validates, rotates and rounds as attend does
         check_finite("q", q)
-        cfg, body = self.config, {}
+        cfg, body = self.layer_configs[layer], {}
         for kind, x in window.items():
             args = (cfg.bits(kind), cfg.cluster_dim)
             levels = self.levels[kind][layer]
@@ -483,7 +483,7 @@ def method_config(spec: str, config: OscarConfig) -> tuple[str, OscarConfig]:
     if not bits:
         return name, config
     k_bits, v_bits = (int(match[1]),) * 2 if match[1] else (int(match[2]), int(match[3]))
-    return name, replace(config, k_bits=k_bits, v_bits=v_bits)
+    return name, replace(config, k_bits=k_bits, v_bits=v_bits, k_bits_by_layer=(), k_clip_by_layer=())
 
 
 def _oscar_method(model, tokenizer, spec, config, shape, rotations, calibration, fitted,
@@ -726,7 +726,7 @@ def evaluate(
     started = time.perf_counter()
     config = config or OscarConfig()
     if bits is not None:
-        config = replace(config, k_bits=bits, v_bits=bits)
+        config = replace(config, k_bits=bits, v_bits=bits, k_bits_by_layer=(), k_clip_by_layer=())
     methods = list(methods)
     if not methods or len(set(methods)) != len(methods):
         raise OscarInputError(f"methods={methods}: expected distinct method specs")
@@ -873,7 +873,7 @@ def evaluate(
     note(f"eval: done in {timings['total']:.0f} s")
     return {
         "model": str(model_name_or_path),
-        "bits": config.k_bits if config.k_bits == config.v_bits else f"K{config.k_bits}/V{config.v_bits}",
+        "bits": config.k_bits if config.k_bits == config.v_bits and not config.mixed else config.describe(),
         "config": config.to_dict(),
         "shape": {"layers": layers, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim},
         "text": str(text),

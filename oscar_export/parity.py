@@ -87,10 +87,10 @@ def compare_ops(candidate: Trace, reference: Trace) -> dict:
     mismatched = total = 0
     exact = True
     for kind in ("k", "v"):
-        bits = kv.config.bits(kind)
-        a, b = unpack_codes(kv.codes[kind].cpu(), bits), unpack_codes(ref.codes[kind].cpu(), bits)
-        mismatched += int((a != b).sum())
-        total += a.numel()
+        for cfg, got, want in zip(kv.layer_configs, kv.codes[kind], ref.codes[kind]):
+            a, b = unpack_codes(got.cpu(), cfg.bits(kind)), unpack_codes(want.cpu(), cfg.bits(kind))
+            mismatched += int((a != b).sum())
+            total += a.numel()
         for region in ("sink", "recent", "scale", "zero"):
             exact &= torch.equal(getattr(kv, region)[kind].cpu(), getattr(ref, region)[kind].cpu())
     errors = [_rel(a[-1], b[-1]) for a, b in zip(candidate.calls, reference.calls)]
@@ -209,9 +209,11 @@ def _codes_mismatches(got: dict, want: dict, config: dict, slots: int | None = N
     """Mismatched codes over the first `slots` body positions of every cache (all of them when None)."""
     import numpy as np
 
+    layers = OscarConfig.from_dict(config)
     mismatched = total = 0
-    for cache_name, reference in want.items():
-        bits = config[f"{cache_name.split('.')[1][0]}_bits"]
+    for cache_name, reference in want.items():  # layer{i}.k_codes: that layer's width
+        layer, buffer = cache_name.split(".")
+        bits = layers.layer(int(layer.removeprefix("layer"))).bits(buffer[0])
         a = unpack_codes(torch.from_numpy(np.ascontiguousarray(got[cache_name][:, :slots])), bits)
         b = unpack_codes(torch.from_numpy(np.ascontiguousarray(reference[:, :slots])), bits)
         mismatched += int((a != b).sum())

@@ -36,7 +36,8 @@ TENSOR_NAMES = ("k_rotation", "v_rotation", "k_levels", "v_levels", "k_eigenvalu
 ZOO_KEYS = ("format_version", "objective", "source_grouping", "layers")
 ZOO_LAYER_KEYS = ("rotation", "eigenvalues")
 ZOO_VERSIONS = (1, 2)
-CONFIG_METADATA = ("k_bits", "v_bits", "cluster_dim", "k_clip", "v_clip", "codebook")
+CONFIG_METADATA = ("k_bits", "v_bits", "cluster_dim", "k_clip", "v_clip", "codebook", "k_bits_by_layer",
+                   "k_clip_by_layer")
 # Our calibration (R = U.H.P_br, K on the query covariance, V score-weighted) in the reference's names.
 ZOO_OBJECTIVES = {"k": "qqt_h_pbr", "v": "sst_h_pbr"}
 
@@ -130,6 +131,9 @@ def _check_set(rs: RotationSet, name: str) -> None:
         OscarConfig(**format_fields)
     except OscarInputError as err:
         raise OscarInputError(f"{name}: metadata {err}") from None
+    if format_fields.get("k_bits_by_layer") and len(format_fields["k_bits_by_layer"]) != rs.layers:
+        raise OscarInputError(f"{name}: metadata k_bits_by_layer has {len(format_fields['k_bits_by_layer'])} "
+                              f"entries: expected one per layer, {rs.layers}")
     codebook = rs.metadata.get("codebook")
     for kind in KINDS:
         levels = getattr(rs, f"{kind}_levels")

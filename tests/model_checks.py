@@ -34,6 +34,20 @@ def body_mismatches(pairs, bits: dict[str, int]) -> dict[str, tuple[int, int]]:
     return counts
 
 
+def layer_body_mismatches(got: dict, want: dict, k_bits_by_layer, v_bits: int, body: int | None = None,
+                          regions=("codes", "scale", "zero")) -> dict:
+    """body_mismatches over every layer's first `body` body slots (all when None), each layer's K codes at its
+    own width. got and want: arrays by layer{i}.{kind}_{region}."""
+    counts = {}
+    for i, k_bits in enumerate(k_bits_by_layer):
+        assert got[f"layer{i}.k_codes"].shape[-1] == want[f"layer{i}.k_codes"].shape[-1], f"layer {i}: K width"
+        pairs = [(kind, region, got[f"layer{i}.{kind}_{region}"][:, :body], want[f"layer{i}.{kind}_{region}"][:, :body])
+                 for kind in "kv" for region in regions]
+        for region, (differ, total) in body_mismatches(pairs, {"k": k_bits, "v": v_bits}).items():
+            counts[region] = (counts.get(region, (0, 0))[0] + differ, counts.get(region, (0, 0))[1] + total)
+    return counts
+
+
 def assert_within_bounds(counts: dict[str, tuple[int, int]], what: str) -> None:
     assert counts, f"{what}: nothing was compared"
     print(f"{what}: " + ", ".join(f"{region} {differ}/{total} ({differ / total:.2e})"

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -82,7 +84,8 @@ def test_chunking_does_not_change_the_stored_cache(chunks):
         start += size
     for region in ("sink", "recent", "codes", "scale", "zero"):
         for kind in ("k", "v"):
-            assert torch.equal(getattr(one, region)[kind], getattr(many, region)[kind]), (region, kind)
+            by_layer = zip(getattr(one, region)[kind], getattr(many, region)[kind])  # codes are a list per layer
+            assert all(torch.equal(a, b) for a, b in by_layer), (region, kind)
     torch.testing.assert_close(many.stored("k", 1), expected_kv(k, torch.eye(D), cfg, "k", 23), rtol=0, atol=0)
 
 
@@ -138,3 +141,56 @@ def test_bad_input_is_named():
     with pytest.raises(OscarInputError, match="k_levels: expected 2 Lloyd-Max codebooks"):
         OscarKVCache(OscarConfig(codebook="lloyd-max"), 2, HKV, D, 16)
     assert cache.length == [0, 0]  # nothing half-written
+
+
+MIXED = OscarConfig(k_bits=2, k_clip=0.7, k_bits_by_layer=(2, 3, 2, 4), k_clip_by_layer=(0.7, 0.85, 1.0, 0.9),
+                    sink=3, recent=5)
+
+
+def test_per_layer_key_bits_store_each_layer_as_a_cache_of_that_width():
+    """Layer i of a mixed cache holds exactly what a one-width cache of layer i's K bits and clip holds."""
+    gen = torch.Generator().manual_seed(4)
+    rot = torch.stack([signed_permutation(i) for i in range(4)])
+    mixed = OscarKVCache(MIXED, 4, HKV, D, 40, k_rotation=rot, v_rotation=rot)
+    for layer in range(4):
+        bits, clip = MIXED.k_bits_by_layer[layer], MIXED.k_clip_by_layer[layer]
+        alone = OscarKVCache(OscarConfig(k_bits=bits, k_clip=clip, sink=3, recent=5), 1, HKV, D, 40,
+                             k_rotation=rot[layer:layer + 1], v_rotation=rot[layer:layer + 1])
+        q = torch.randn(HQ, 30, D, generator=gen)
+        k, v = torch.randn(HKV, 30, D, generator=gen), torch.randn(HKV, 30, D, generator=gen)
+        assert torch.equal(mixed.attend(layer, q, k, v), alone.attend(0, q, k, v))
+        assert mixed.codes["k"][layer].shape[-1] == D * bits // 8
+        assert torch.equal(mixed.codes["k"][layer], alone.codes["k"][0])
+        assert torch.equal(mixed.stored("k", layer), expected_kv(k, rot[layer], MIXED.layer(layer), "k", 30))
+    assert mixed.nbytes == cache_bytes(MIXED, 4, HKV, D, 40)
+
+
+def test_per_layer_key_bits_in_the_byte_and_bit_counts():
+    one_width = [OscarConfig(k_bits=b, sink=3, recent=5) for b in MIXED.k_bits_by_layer]
+    assert cache_bytes(MIXED, 4, HKV, D, 500) == sum(cache_bytes(c, 1, HKV, D, 500) for c in one_width)
+    # Windows are fp16 at any width; the body averages the layers' widths: (2+3+2+4)/4 K bits plus 2 V bits.
+    assert bits_per_element(MIXED, D, 10**9) == pytest.approx((11 / 4 + 2) / 2 + 0.5, abs=1e-6)
+    assert bits_per_element(MIXED, D, 500) == pytest.approx(
+        sum(bits_per_element(c, D, 500) for c in one_width) / 4, rel=1e-12)
+
+
+def test_per_layer_key_bits_round_trip_and_refuse_what_they_cannot_be():
+    assert OscarConfig.from_dict(json.loads(MIXED.to_json())) == MIXED  # JSON lists back to tuples
+    assert MIXED.layer(3) == OscarConfig(k_bits=4, k_clip=0.9, sink=3, recent=5)
+    assert MIXED.describe() == "K2 (4 in 2 of 4 layers)/V2"
+    with pytest.raises(OscarInputError, match=r"K's width is per layer .* config.layer\(i\)"):
+        MIXED.bits("k")
+    assert MIXED.bits("v") == 2
+    bad = [
+        (dict(k_bits_by_layer=(2, 3)), "k_bits_by_layer has 2 entries and k_clip_by_layer 0"),
+        (dict(k_bits=3, k_bits_by_layer=(2, 3), k_clip_by_layer=(1.0, 1.0)), "expected k_bits=2, the narrowest"),
+        (dict(k_bits_by_layer=(2, 5), k_clip_by_layer=(1.0, 1.0)), r"layer 1 of k_bits_by_layer .* k_bits=5"),
+        (dict(k_bits_by_layer=(2, 3), k_clip_by_layer=(1.0, 0.2)), r"layer 1 of .* k_clip=0.2"),
+        (dict(k_bits_by_layer=(2, 3), k_clip_by_layer=(1, 1), codebook="lloyd-max"), "expected 'uniform'"),
+        (dict(k_bits_by_layer="23"), "expected a list, one entry per layer"),
+    ]
+    for fields, message in bad:
+        with pytest.raises(OscarInputError, match=message):
+            OscarConfig(**fields)
+    with pytest.raises(OscarInputError, match="k_bits_by_layer has 4 entries: expected one per layer, 3"):
+        OscarKVCache(MIXED, 3, HKV, D, 16)

@@ -42,8 +42,9 @@ def test_cache_is_really_packed_and_its_bytes_match_the_planner():
     ids = torch.randint(0, 120, (1, 50))
     model.generate(ids, max_new_tokens=5, do_sample=False, cache=cache)
     assert cache.get_seq_length() == 54  # the last generated token is never fed back
-    assert cache.kv.codes["k"].dtype == torch.uint8 and cache.kv.codes["k"].shape[-1] == 16  # 64 dims x 2 bits
-    assert torch.count_nonzero(cache.kv.codes["k"][:, :, : 54 - 12]) > 0
+    for codes in cache.kv.codes["k"]:  # one tensor per layer
+        assert codes.dtype == torch.uint8 and codes.shape[-1] == 16  # 64 dims x 2 bits
+        assert torch.count_nonzero(codes[:, : 54 - 12]) > 0
     shape = ModelShape.from_hf_config("tiny", model.config.to_dict())
     assert cache.nbytes == plan(shape, model.oscar.config, 8 * 2**30, 200)["kv_bytes"]
 

@@ -42,7 +42,7 @@ def test_parity_catches_a_corrupted_cache():
     reference = generate_trace(model, prompt, 3, "reference")
     replay = replay_trace(model, reference, "reference")
     assert compare_ops(replay, reference)["codes_mismatch_fraction"] == 0
-    replay.cache.kv.codes["k"][0, 0, 0, 0] ^= 0xFF  # flip four 2-bit codes
+    replay.cache.kv.codes["k"][0][0, 0, 0] ^= 0xFF  # flip four 2-bit codes
     replay.cache.kv.zero["v"][1, 1, 2, 0] += 1
     result = compare_ops(replay, reference)
     assert result["codes_mismatched"] == 4 and not result["windows_scales_zeros_exact"]

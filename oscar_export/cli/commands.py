@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .. import __version__
-from ..config import OscarInputError
+from ..config import OscarConfig, OscarInputError
 from ..targets import registry
 from .flags import config_from_args
 
@@ -51,6 +51,8 @@ def _print_plan(p: dict) -> None:
                   f"{_gib(w['linear'])} / {_gib(w['embeddings'])} / {_gib(w['lm_head'])} / {_gib(w['rotations'])}", "")
     table.add_row("KV bytes per token", f"{p['kv_bytes_per_token']:,}", f"{p['kv_bytes_per_token_fp16']:,}")
     table.add_row(f"KV cache at {p['context']} tokens", _gib(p["kv_bytes"]), _gib(p["kv_bytes_fp16"]))
+    c = OscarConfig.from_dict(p["config"])
+    table.add_row("cache format", f"{c.describe()}, group {c.cluster_dim}, sink {c.sink}, recent {c.recent}", "")
     table.add_row("bits per K/V element", f"{p['bits_per_element']:.3f}", "16.000")
     table.add_row("runtime/OS reserve", _gib(p["reserve_bytes"]), _gib(p["reserve_bytes"]))
     table.add_row("largest context that fits", f"{p['max_context']:,}", f"{p['max_context_fp16']:,}")
@@ -230,8 +232,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         "k_clip": rotation_set.metadata["k_clip"],
         "v_clip": rotation_set.metadata["v_clip"],
         "format": {key: rotation_set.metadata.get(key) for key in ("k_bits", "v_bits", "cluster_dim", "sink", "recent",
-                                                                     "bits_per_element", "budget_bits",
-                                                                     "budget_context")},
+                                                                     "k_bits_by_layer", "bits_per_element",
+                                                                     "budget_bits", "budget_context")},
         "seconds": seconds,
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
@@ -245,8 +247,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                   f"peak RSS {summary['peak_rss_bytes'] / 2**20:.0f} MiB")
         f = summary["format"]
         if f["budget_bits"] is not None:
+            meta = rotation_set.metadata
+            bits = OscarConfig.from_dict({key: meta[key] for key in ("k_bits", "v_bits", "k_bits_by_layer",
+                                                                     "k_clip_by_layer") if key in meta})
             out.print(f"format within {f['budget_bits']:g} bits per element at {f['budget_context']} tokens: "
-                      f"K{f['k_bits']}/V{f['v_bits']}, group {f['cluster_dim']}, sink {f['sink']}, recent "
+                      f"{bits.describe()}, group {f['cluster_dim']}, sink {f['sink']}, recent "
                       f"{f['recent']}: {f['bits_per_element']:.3f} bits (export and eval take it from the file)")
     return 0
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..calibrations import DEFAULT_TOKENS
 from ..config import (SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError, default_cluster_dim,
-                      metadata_defaults)
+                      with_metadata_defaults)
 
 
 class Parser(argparse.ArgumentParser):
@@ -82,13 +82,11 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = None) -> OscarConfig:
-    """The cache flags; what a rotation file's metadata carries (config.metadata_defaults) applies where a flag
+    """The cache flags; what a rotation file's metadata carries (config.with_metadata_defaults) applies where a flag
     is unset, then the defaults."""
     fields = {"k_bits": args.k_bits or args.bits, "v_bits": args.v_bits or args.bits, "cluster_dim": args.cluster_dim,
               "k_clip": args.k_clip, "v_clip": args.v_clip, "sink": args.sink, "recent": args.recent}
-    for key, value in metadata_defaults(rotation_metadata).items():
-        if fields.get(key) is None:
-            fields[key] = value
+    fields = with_metadata_defaults(fields, rotation_metadata)
     if fields["cluster_dim"] is None:
         from ..models import model_shape
 

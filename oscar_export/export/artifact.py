@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import OscarConfig, OscarInputError, default_cluster_dim, metadata_defaults
+from ..config import OscarConfig, OscarInputError, default_cluster_dim, with_metadata_defaults
 from ..rotation_files import load_rotations
 
 MANIFEST = "manifest.json"
@@ -30,11 +30,9 @@ def manifest_format(target: str) -> str:
 
 
 def config_for(rotations, head_dim: int | None = None, **fields) -> OscarConfig:
-    """OscarConfig from the given fields; a rotation file's metadata fills in the rest (config.metadata_defaults),
-    and an unset cluster_dim is then the default group for head_dim."""
-    for key, value in metadata_defaults(getattr(rotations, "metadata", {})).items():
-        if fields.get(key) is None:
-            fields[key] = value
+    """OscarConfig from the given fields; a rotation file's metadata fills in the rest
+    (config.with_metadata_defaults), and an unset cluster_dim is then the default group for head_dim."""
+    fields = with_metadata_defaults(fields, getattr(rotations, "metadata", {}))
     if fields.get("cluster_dim") is None:
         fields["cluster_dim"] = default_cluster_dim(head_dim)
     return OscarConfig(**{key: value for key, value in fields.items() if value is not None})
@@ -366,7 +364,8 @@ class GreedyLM:
                 head_dim = cache[f"{layer}.{kind}_sink"].shape[2]
                 for head in range(array.shape[0]):
                     x = torch.from_numpy(rng.standard_normal((rows, head_dim), dtype=np.float32))
-                    packed = quantize(x, config.bits(kind), config.cluster_dim, config.clip(kind))
+                    one = config.layer(int(layer.removeprefix("layer")))  # its own K width and clip
+                    packed = quantize(x, one.bits(kind), one.cluster_dim, one.clip(kind))
                     for part, values in zip(("codes", "scale", "zero"), packed):
                         cache[f"{layer}.{kind}_{part}"][head, :rows] = values.numpy()
         self.length = length

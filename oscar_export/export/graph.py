@@ -128,6 +128,7 @@ class OscarCausalLM(nn.Module):
             raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected 'float16', the exported op's format")
         layers, kv_heads, head_dim, _ = attention_shape(model)
         config.check_head_dim(head_dim)
+        config.check_layers(layers)
         self.config, self.kv_heads, self.head_dim = config, kv_heads, head_dim
         self.functional, self.all_logits = functional, all_logits
 
@@ -137,16 +138,17 @@ class OscarCausalLM(nn.Module):
             k_rot = v_rot = hadamard_rotations(layers, head_dim)
         elif resolved != "none":
             k_rot, v_rot = resolved.k, resolved.v
-        levels = {kind: uniform_levels(config.bits(kind)).expand(layers, -1) for kind in KINDS}
+        # Per layer: with k_bits_by_layer, K's levels differ in count between layers.
+        levels = {kind: [uniform_levels(c.bits(kind)) for c in config.layers(layers)] for kind in KINDS}
         if config.codebook == "lloyd-max":
             if getattr(resolved, "k_levels", None) is None:
                 raise OscarInputError("codebook='lloyd-max' needs Lloyd-Max levels: expected a rotation file "
                                       "calibrated with --lloyd-max")
             levels = {"k": resolved.k_levels, "v": resolved.v_levels}
-        for kind, lv in levels.items():
-            if lv.shape[-1] != 2 ** config.bits(kind):
-                raise OscarInputError(f"{kind}_levels have {lv.shape[-1]} levels: expected {2 ** config.bits(kind)} "
-                                      f"for {kind}_bits={config.bits(kind)}")
+            for kind, lv in levels.items():
+                if lv.shape[-1] != 2 ** config.bits(kind):
+                    raise OscarInputError(f"{kind}_levels have {lv.shape[-1]} levels: expected "
+                                          f"{2 ** config.bits(kind)} for {kind}_bits={config.bits(kind)}")
         k_rot = check_rotation("k_rotation", k_rot, layers, kv_heads, head_dim)
         v_rot = check_rotation("v_rotation", v_rot, layers, kv_heads, head_dim)
 
@@ -161,23 +163,26 @@ class OscarCausalLM(nn.Module):
         """Layer i of this graph made from a Hugging Face decoder block; a streamed export (export/streamed.py)
         calls it again with the block's real weights when the graph was built on the meta device."""
         k_rot, v_rot = self.rotations
-        return self.layer_class(block, self.config, None if k_rot is None else k_rot[i],
+        return self.layer_class(block, self.config.layer(i), None if k_rot is None else k_rot[i],
                                  None if v_rot is None else v_rot[i], self.levels["k"][i].float(),
                                  self.levels["v"][i].float())
 
     def cache_spec(self, max_context: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, shape, dtype) of every cache buffer, layer by layer, in forward's order."""
-        cfg, h, d = self.config, self.kv_heads, self.head_dim
-        s, w, b = capacities(cfg, max_context)
-        g = d // cfg.cluster_dim
-        one = {}
-        for kind in KINDS:
-            one[f"{kind}_sink"] = ((h, s, d), torch.float16)
-            one[f"{kind}_recent"] = ((h, w, d), torch.float16)
-            one[f"{kind}_codes"] = ((h, b, packed_bytes(d, cfg.bits(kind))), torch.uint8)
-            one[f"{kind}_scale"] = ((h, b, g), torch.float16)
-            one[f"{kind}_zero"] = ((h, b, g), torch.float16)
-        return [(f"layer{i}.{name}", *one[name]) for i in range(len(self.layers)) for name in CACHE_NAMES]
+        h, d = self.kv_heads, self.head_dim
+        s, w, b = capacities(self.config, max_context)
+        g = d // self.config.cluster_dim
+        spec = []
+        for i, cfg in enumerate(self.config.layers(len(self.layers))):
+            one = {}
+            for kind in KINDS:
+                one[f"{kind}_sink"] = ((h, s, d), torch.float16)
+                one[f"{kind}_recent"] = ((h, w, d), torch.float16)
+                one[f"{kind}_codes"] = ((h, b, packed_bytes(d, cfg.bits(kind))), torch.uint8)
+                one[f"{kind}_scale"] = ((h, b, g), torch.float16)
+                one[f"{kind}_zero"] = ((h, b, g), torch.float16)
+            spec += [(f"layer{i}.{name}", *one[name]) for name in CACHE_NAMES]
+        return spec
 
     def new_cache(self, max_context: int) -> list[torch.Tensor]:
         """Zeroed buffers for a sequence of up to max_context tokens (only `length` tokens are ever read)."""

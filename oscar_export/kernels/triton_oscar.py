@@ -568,7 +568,7 @@ def reference_decode_attention(
 
 def cache_decode_inputs(cache, layer: int) -> dict:
     """The decode_attention arguments that describe `layer` of an OscarKVCache as it is now."""
-    cfg = cache.config
+    cfg = cache.layer_configs[layer]
     n = cache.length[layer]
     s, w = cfg.sink, cfg.recent
     args = {

@@ -58,11 +58,13 @@ def wrap_cache(cache, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, s
                       device=given["k_sink"].device)
     for kind in KINDS:
         for region in ("sink", "recent", "codes", "scale", "zero"):
-            name, want = f"{kind}_{region}", getattr(kv, region)[kind]
-            if given[name].shape != want.shape[1:] or given[name].dtype != want.dtype:
+            name, want = f"{kind}_{region}", getattr(kv, region)[kind][0]  # layer 0, the only one
+            if given[name].shape != want.shape or given[name].dtype != want.dtype:
                 raise OscarInputError(f"{name} is {given[name].dtype} {tuple(given[name].shape)}: "
-                                      f"expected {want.dtype} {tuple(want.shape[1:])}")
-            getattr(kv, region)[kind] = given[name].unsqueeze(0)  # a view: the op writes the caller's buffer
+                                      f"expected {want.dtype} {tuple(want.shape)}")
+            # Views: the op writes the caller's buffers. Codes are held per layer (their width is the layer's).
+            view = [given[name]] if region == "codes" else given[name].unsqueeze(0)
+            getattr(kv, region)[kind] = view
     kv.length[0] = int(length.reshape(-1)[0])
     return kv
 

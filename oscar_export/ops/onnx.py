@@ -5,6 +5,7 @@ function of standard ops for a stock ONNX Runtime (docs/format.md sections 3-6).
 
 from __future__ import annotations
 
+import json
 import math
 
 import onnx
@@ -52,31 +53,37 @@ def translate(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes, k_sc
 
 
 def make_fallback(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The native graph with every OscarAttention node replaced by the OscarAttentionFunctional function."""
+    """The native graph with every OscarAttention node replaced by an OscarAttentionFunctional function, one
+    function per distinct attribute set and cache layout (layers differ in K's width and clip when
+    k_bits_by_layer is set): OscarAttentionFunctional, then OscarAttentionFunctional_1, ..."""
     graph = model.graph
     inputs = {v.name: v for v in graph.input}
     nodes = [n for n in graph.node if n.domain == DOMAIN and n.op_type == OP]
     if not nodes:
         raise OscarInputError(f"no {DOMAIN}.{OP} node in the model: expected a graph from the laptop export")
+    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
+    variants = {}
     for node in nodes:
         cache = list(node.input[3:3 + len(CACHE_NAMES)])
-        node.op_type = FALLBACK_OP
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        shapes = {name: [d.dim_value for d in inputs[cache[i]].type.tensor_type.shape.dim]
+                  for i, name in enumerate(CACHE_NAMES)}
+        key = json.dumps([attrs, shapes], sort_keys=True)
+        if key not in variants:
+            name = FALLBACK_OP if not variants else f"{FALLBACK_OP}_{len(variants)}"
+            variants[key] = name
+            model.functions.append(ir.serde.serialize_function(_fallback_function(attrs, shapes, opset, name)))
+        node.op_type = variants[key]
         node.output.extend(f"{name}.next" for name in cache)
         for name in cache:
             out = onnx.ValueInfoProto()
             out.CopyFrom(inputs[name])
             out.name = f"{name}.next"
             graph.output.append(out)
-    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
-    shapes = {name: [d.dim_value for d in inputs[nodes[0].input[3 + i]].type.tensor_type.shape.dim]
-              for i, name in enumerate(CACHE_NAMES)}
-    opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
-    function = _fallback_function(attrs, shapes, opset)
-    model.functions.append(ir.serde.serialize_function(function))
     return model
 
 
-def _fallback_function(attrs: dict, shapes: dict, opset: int) -> ir.Function:
+def _fallback_function(attrs: dict, shapes: dict, opset: int, name: str = FALLBACK_OP) -> ir.Function:
     """OscarAttentionFunctional specialised to one cache layout; the math of docs/format.md sections 3-6."""
     heads, s_cap, d = shapes["k_sink"]
     w_cap, b_cap = shapes["k_recent"][1], shapes["k_codes"][1]
@@ -185,4 +192,4 @@ def _fallback_function(attrs: dict, shapes: dict, opset: int) -> ir.Function:
         return (out, *(updated[name] if name in updated else op.Identity(cache[name]) for name in CACHE_NAMES))
 
     inputs = [ir.Value(name=name, type=ir.TensorType(_IR_TYPES[dtype])) for name, dtype in INPUT_DTYPES]
-    return onnxscript.build_function(body, inputs, domain=DOMAIN, name=FALLBACK_OP, opset_imports={"": opset})
+    return onnxscript.build_function(body, inputs, domain=DOMAIN, name=name, opset_imports={"": opset})

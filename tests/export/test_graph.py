@@ -85,7 +85,7 @@ def test_folded_v_rotation_matches_the_unfolded_reference(bundled):
     # folded V projection, which rounds differently: body mismatches counted (docs/format.md, section 7).
     body = ids.shape[1] - WINDOWS["sink"] - WINDOWS["recent"]
     pairs = [(kind, region, cache[i * len(CACHE_NAMES) + CACHE_NAMES.index(f"{kind}_{region}")][:, :body].numpy(),
-              getattr(ref.kv, region)[kind][i, :, :body].numpy())
+              getattr(ref.kv, region)[kind][i][:, :body].numpy())
              for kind in "kv" for region in ("codes", "scale", "zero") for i in range(4)]
     assert_within_bounds(body_mismatches(pairs, {"k": 2, "v": 2}), "folded graph")
 

@@ -13,7 +13,7 @@ import torch
 
 from bench_checks import check_step_traffic
 from memory_checks import check_bench_memory
-from model_checks import assert_within_bounds, body_mismatches
+from model_checks import assert_within_bounds, body_mismatches, layer_body_mismatches
 from native_cases import same_bits
 
 pytest.importorskip("executorch.extension.pybindings.portable_lib")
@@ -292,3 +292,25 @@ def test_bench_attention_json(capsys):
     assert x["speedup"] == pytest.approx(x["baseline_ms"] / x["oscar_ms"], rel=1e-2)
     assert x["speedup_vs_int8"] == pytest.approx(x["int8_ms"] / x["oscar_ms"], rel=1e-2)
     check_step_traffic(report, int8=True)
+
+
+def test_per_layer_key_bits_run_in_executorch(tmp_path, prompt, tokenizer):
+    """K's width per layer (calibrate --budget-bits may choose it): each layer's kernel call and buffers take
+    their own width, and the program gives the eager module's tokens and, up to counted rounding, its codes."""
+    mixed = dict(CONFIG, k_bits_by_layer=(2, 3, 4, 2), k_clip_by_layer=(1.0, 0.9, 1.0, 0.8))
+    manifest = export_artifact("android", "bundled", tmp_path / "mixed", "hadamard", CONTEXT, float_weights=True,
+                               **mixed)
+    assert manifest["config"]["k_bits_by_layer"] == [2, 3, 4, 2]
+    module = OscarCausalLM(load_model("bundled")[0], OscarConfig(**mixed), "hadamard").eval()
+    assert EtLM(tmp_path / "mixed", threads=1).generate(prompt, 16) == greedy(module, torch.tensor([prompt]), 16,
+                                                                             CONTEXT)
+    cache = module.new_cache(CONTEXT)
+    with torch.no_grad():
+        module(torch.tensor([prompt]), torch.zeros(1, dtype=torch.int64), *cache)
+    lm = EtLM(tmp_path / "mixed", threads=1)
+    lm.prefill(prompt)
+    got = {"layer" + name[len("cache."):]: array for name, array in lm.cache_arrays().items()}
+    want = {name: t.numpy() for (name, _, _), t in zip(module.cache_spec(CONTEXT), cache)}
+    assert got["layer2.k_codes"].shape[-1] == 64 * 4 // 8  # 4-bit K in layer 2
+    counts = layer_body_mismatches(got, want, mixed["k_bits_by_layer"], 2, PROMPT - WINDOWS["sink"] - WINDOWS["recent"])
+    assert_within_bounds(counts, "executorch")

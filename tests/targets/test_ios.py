@@ -24,12 +24,13 @@ from oscar_export.ops import coreml as coreml_ops  # noqa: E402
 from oscar_export.export.artifact import eager_module, load_manifest  # noqa: E402
 from oscar_export.targets.ios.coreml_runner import CoreMLLM, coreml_available, load  # noqa: E402
 from oscar_export.export.graph import OscarCausalLM  # noqa: E402
-from oscar_export.export.pipeline import reference_trace  # noqa: E402
+from oscar_export.export.pipeline import export_artifact, reference_trace  # noqa: E402
 from oscar_export.targets.ios import cache_bits_per_element  # noqa: E402
 from oscar_export.targets.ios.mil_eval import MilProgram, saved_program, weights  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model, model_shape  # noqa: E402
 from oscar_export.planner import weight_bytes  # noqa: E402
-from model_checks import BOUNDS, LOGITS_RTOL, assert_within_bounds, body_mismatches, logits_rel_error  # noqa: E402
+from model_checks import (BOUNDS, LOGITS_RTOL, assert_within_bounds, body_mismatches, layer_body_mismatches,  # noqa: E402
+                          logits_rel_error)
 from tiny_models import tiny_model  # noqa: E402
 
 CONTEXT, PROMPT, STEPS = 1024, 400, 32  # sink 64 + recent 256: the prompt puts 80 tokens in the body
@@ -313,3 +314,20 @@ def test_coreml_predict_matches_the_eager_graph(artifact, prompt, reference):
     print(f"Core ML: max |logits - reference| {diff:.3g}")
     assert tokens == reference["tokens"] and diff < 1e-2
     assert_within_bounds(body_codes_mismatches(lm, reference, artifact), "coreml")
+
+
+def test_per_layer_key_bits_run_in_the_mil_program(tmp_path, prompt):
+    """K's width per layer (calibrate --budget-bits may choose it): each layer's rows and app-held words take
+    their own width, and the program gives the eager graph's tokens, logits and, up to counted rounding, codes."""
+    mixed = dict(k_bits=2, v_bits=2, cluster_dim=64, sink=16, recent=32, k_bits_by_layer=(2, 3, 4, 2),
+                 k_clip_by_layer=(1.0, 0.9, 1.0, 0.8))
+    manifest = export_artifact("ios", "bundled", tmp_path / "mixed", "hadamard", 200, float_weights=True, **mixed)
+    outputs = {row["name"]: row["shape"] for row in manifest["io"]["outputs"]}
+    assert [outputs[f"layer{i}_k_body_codes"][-1] for i in range(LAYERS)] == [64 * b // 32 for b in (2, 3, 4, 2)]
+    reference = reference_trace(tmp_path / "mixed", prompt[:100], 8)
+    lm = CoreMLLM(load(tmp_path / "mixed"), "coreml-mil", LAYERS, 16, 32, manifest["max_chunk"])
+    tokens, logits = lm.trace(prompt[:100], 8)
+    assert tokens == reference["tokens"] and logits_rel_error(logits, reference["logits"]) <= LOGITS_RTOL
+    counts = layer_body_mismatches(lm.body_codes(), reference["codes"], mixed["k_bits_by_layer"], 2,
+                                   regions=("codes",))
+    assert_within_bounds(counts, "coreml-mil")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench_checks import check_step_traffic
-from model_checks import BOUNDS, assert_within_bounds, body_mismatches
+from model_checks import BOUNDS, assert_within_bounds, body_mismatches, layer_body_mismatches
 from backends import BACKEND, replay
 from native_cases import assert_final_cache, random_case
 
@@ -21,7 +21,8 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto  # noqa: E402
 
 from oscar_export.cli import main  # noqa: E402
-from oscar_export.export.graph import CACHE_NAMES  # noqa: E402
+from oscar_export.config import OscarConfig  # noqa: E402
+from oscar_export.export.graph import CACHE_NAMES, OscarCausalLM, greedy  # noqa: E402
 from oscar_export.export.pipeline import export_artifact  # noqa: E402
 from oscar_export.ops.onnx import DOMAIN, OP  # noqa: E402
 from oscar_export.targets.laptop.ort_runner import OrtLM  # noqa: E402
@@ -80,7 +81,7 @@ def test_cache_after_prefill_matches_the_reference(float_artifact, reference, pr
     got, ref = lm.cache_arrays(), reference[1]
     body = PROMPT - WINDOWS["sink"] - WINDOWS["recent"]
     pairs = [(kind, region, np.stack([got[f"layer{i}.{kind}_{region}"][:, :body] for i in range(4)]),
-              getattr(ref, region)[kind][:, :, :body].numpy())
+              torch.stack(list(getattr(ref, region)[kind]))[:, :, :body].numpy())  # codes: a list per layer
              for kind in "kv" for region in ("codes", "scale", "zero")]
     assert_within_bounds(body_mismatches(pairs, {"k": CONFIG["k_bits"], "v": CONFIG["v_bits"]}), runtime)
     for kind in "kv":
@@ -340,3 +341,27 @@ def test_a_saved_trace_checks_the_runtimes_elsewhere(float_artifact, tmp_path, c
         err = capsys.readouterr().err
         assert needle in err and len(err.strip().splitlines()) == 1, err
 
+
+@needs_native
+def test_per_layer_key_bits_run_in_onnx_runtime(tmp_path, prompt):
+    """K's width per layer (calibrate --budget-bits may choose it): each layer's op and buffers take their own
+    width, and both runtimes give the eager module's tokens and, up to counted rounding, its codes."""
+    mixed = dict(CONFIG, k_bits_by_layer=(2, 3, 4, 2), k_clip_by_layer=(1.0, 0.9, 1.0, 0.8))
+    manifest = export_artifact("laptop", "bundled", tmp_path / "mixed", "hadamard", CONTEXT, float_weights=True,
+                               **mixed)
+    assert manifest["config"]["k_bits_by_layer"] == [2, 3, 4, 2]
+    module = OscarCausalLM(load_model("bundled")[0], OscarConfig(**mixed), "hadamard").eval()
+    tokens = greedy(module, torch.tensor([prompt]), 16, CONTEXT)
+    cache = module.new_cache(CONTEXT)
+    with torch.no_grad():
+        module(torch.tensor([prompt]), torch.zeros(1, dtype=torch.int64), *cache)
+    want = {name: t.numpy() for (name, _, _), t in zip(module.cache_spec(CONTEXT), cache)}
+    body = PROMPT - WINDOWS["sink"] - WINDOWS["recent"]
+    for runtime in ("onnxruntime", "onnx-fallback"):
+        assert OrtLM(tmp_path / "mixed", runtime, threads=1).generate(prompt, 16) == tokens, runtime
+        lm = OrtLM(tmp_path / "mixed", runtime, threads=1)
+        lm.prefill(prompt)
+        got = lm.cache_arrays()
+        assert got["layer2.k_codes"].shape[-1] == 64 * 4 // 8  # 4-bit K in layer 2
+        counts = layer_body_mismatches(got, want, mixed["k_bits_by_layer"], 2, body)
+        assert_within_bounds(counts, runtime)

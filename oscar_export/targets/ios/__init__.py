@@ -34,21 +34,25 @@ def io_layout(module, max_context: int, max_chunk: int) -> dict:
     from ...ops.coreml import ROW_NAMES
 
     h, d = module.kv_heads, module.head_dim
-    words = {kind: d * module.config.bits(kind) // 32 for kind in ("k", "v")}
     groups = d // module.config.cluster_dim
-    rows = {"k_new": ([h, "T", d], "float16"), "v_new": ([h, "T", d], "float16")}
-    for kind in ("k", "v"):
-        rows[f"{kind}_body_codes"] = ([h, "T", words[kind]], "int32")
-        rows[f"{kind}_body_scale"] = ([h, "T", groups], "float16")
-        rows[f"{kind}_body_zero"] = ([h, "T", groups], "float16")
+
+    def rows(config) -> dict:  # one layer's rows; its code words follow its own K width
+        out = {"k_new": ([h, "T", d], "float16"), "v_new": ([h, "T", d], "float16")}
+        for kind in ("k", "v"):
+            out[f"{kind}_body_codes"] = ([h, "T", d * config.bits(kind) // 32], "int32")
+            out[f"{kind}_body_scale"] = ([h, "T", groups], "float16")
+            out[f"{kind}_body_zero"] = ([h, "T", groups], "float16")
+        return out
+
+    per_layer = [rows(config) for config in module.config.layers(len(module.layers))]
     return {
         "inputs": [{"name": "input_ids", "shape": [1, "T"], "dtype": "int32"},
                    {"name": "length", "shape": [1], "dtype": "int32"},
                    *({"name": name, "shape": list(shape), "dtype": np.dtype(dtype).name}
                      for name, shape, dtype in cache_inputs(module, max_context))],
         "outputs": [{"name": "logits", "shape": [1, 1, module.lm_head.out_features], "dtype": "float32"},
-                    *({"name": f"layer{i}_{name}", "shape": rows[name][0], "dtype": rows[name][1]}
-                      for i in range(len(module.layers)) for name in ROW_NAMES)],
+                    *({"name": f"layer{i}_{name}", "shape": layer[name][0], "dtype": layer[name][1]}
+                      for i, layer in enumerate(per_layer) for name in ROW_NAMES)],
         "T": f"1 .. {max_chunk}",
     }
 
