@@ -134,6 +134,10 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
         metadata.update({"sink": config.sink, "recent": config.recent, "budget_bits": budget[0],
                          "budget_context": budget[1], "bits_per_element": chosen.bits,
                          "budget_candidates": [c.summary() for c in considered]})
+        if config.mixed:
+            metadata.update({"k_bits_by_layer": list(config.k_bits_by_layer),
+                             "k_clip_by_layer": list(config.k_clip_by_layer),
+                             "k_layer_gains": [round(g, 4) for g in chosen.layer_gains]})
     rotation_set = RotationSet(
         k=result["k_rotation"], v=result["v_rotation"], metadata=metadata,
         k_levels=result.get("k_levels"), v_levels=result.get("v_levels"),

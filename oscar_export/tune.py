@@ -7,7 +7,14 @@ each (k_bits, v_bits, cluster_dim) only the largest windows that fit are kept: w
 never accuracy. Every candidate gets the calibration's clip search (calibrate.fit_quantizer, on the
 held-out calibration tokens); the `shortlist` with the lowest attention-output error (K's plus V's)
 are then scored by perplexity of the calibration text's first `context` tokens through the packed
-cache, in one pass (evaluate.one_pass_logits), and the lowest wins. No evaluation text is read.
+cache, in one pass (evaluate.one_pass_logits).
+
+Then mixed K widths: the winner's K one bit wider in the n layers where that helps most, each n at the
+largest windows that still fit (fewer wider layers leave bits for longer windows), a shortlist spread over
+n. Layers are ranked by how much calibration NLL drops when that layer alone has the wider K (one pass per
+layer, at the winner's windows): on SmolLM2 this ranking beat the per-layer attention error clearly at
+equal bits (benchmarks/mixed_key_bits.py). The mixed candidates are scored like the shortlist, and the
+lowest perplexity of all wins. No evaluation text is read.
 """
 
 from __future__ import annotations
@@ -32,10 +39,12 @@ class Candidate:
     attention_error: float | None = None  # held-out attention-output error, K plus V, at the searched clips
     perplexity: float | None = None  # of the calibration text's first `context` tokens (shortlist only)
     quantizer: dict | None = None  # fit_quantizer's result for this format
+    layer_gains: list[float] | None = None  # mixed K: the per-layer ranking its wider layers were taken from
 
     def summary(self) -> dict:
         c = self.config
-        return {"k_bits": c.k_bits, "v_bits": c.v_bits, "cluster_dim": c.cluster_dim, "sink": c.sink,
+        return {"format": c.describe(), "k_bits": c.k_bits, "v_bits": c.v_bits, "cluster_dim": c.cluster_dim,
+                "k_bits_by_layer": list(c.k_bits_by_layer) or None, "sink": c.sink,
                 "recent": c.recent, "k_clip": c.k_clip, "v_clip": c.v_clip, "bits": round(self.bits, 4),
                 "attention_error": None if self.attention_error is None else round(self.attention_error, 5),
                 "perplexity": None if self.perplexity is None else round(self.perplexity, 4)}
@@ -63,14 +72,64 @@ def candidates(budget: float, context: int, head_dim: int, codebook: str = "unif
     return found
 
 
-def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: int, lloyd_max: bool = False,
-           shortlist: int = SHORTLIST) -> tuple[Candidate, list[Candidate]]:
-    """The chosen candidate and every candidate considered (attention error for all, perplexity for the
-    shortlist), from a rotation fit (calibrate.fit_rotations) and its calibration text."""
+def mixed_candidates(base: OscarConfig, wider_clip: float, order: list[int], layers: int, budget: float,
+                     context: int, head_dim: int, shortlist: int = SHORTLIST) -> list[Candidate]:
+    """`base` with K one bit wider (at `wider_clip`) in the first n of the layers `order` lists (the ones it
+    helps, most helped first), for n from 1 to all but one of `layers` (all is a uniform format), each at the
+    largest windows that fit `budget`: the `shortlist` of them evenly spread over n, the most layers included."""
+    by_count = []
+    for n in range(1, min(len(order), layers - 1) + 1):
+        wide = set(order[:n])
+        widths = tuple(base.k_bits + (i in wide) for i in range(layers))
+        clips = tuple(wider_clip if i in wide else base.k_clip for i in range(layers))
+        for sink, recent in WINDOWS:
+            config = replace(base, sink=sink, recent=recent, k_bits_by_layer=widths, k_clip_by_layer=clips)
+            bits = bits_per_element(config, head_dim, context)
+            if bits <= budget:
+                by_count.append(Candidate(config, bits))
+                break
+    if len(by_count) <= shortlist:
+        return by_count
+    picks = {round(j * (len(by_count) - 1) / (shortlist - 1)) for j in range(shortlist)}
+    return [by_count[j] for j in sorted(picks)]
+
+
+def _nll(model, ids, config: OscarConfig, quantizer: dict, fitted: dict):
+    """NLL [T - 1] of the calibration tokens `ids` through the packed cache of `config`, in one pass."""
     import torch
 
-    from .calibrate import _tokens_from_text, fit_quantizer
     from .evaluate import EvalOscarKVCache, token_nll
+
+    cache = EvalOscarKVCache(config, fitted["layers"], fitted["kv_heads"], fitted["head_dim"], len(ids),
+                             quantizer["k_rotation"], quantizer["v_rotation"], quantizer.get("k_levels"),
+                             quantizer.get("v_levels"))
+    with torch.no_grad():
+        return token_nll(model, ids, cache, CHUNK, max(config.sink + config.recent, CHUNK))
+
+
+def layer_gains(model, ids, fitted: dict, base: Candidate, wider_clip: float) -> list[float]:
+    """Per layer: calibration NLL (nats, summed over tokens) with every layer at `base`'s K width, less that with
+    this layer alone one bit wider."""
+    from .progress import progress
+
+    layers, c = fitted["layers"], base.config
+
+    def total(widths):
+        clips = tuple(wider_clip if b > c.k_bits else c.k_clip for b in widths)
+        config = replace(c, k_bits_by_layer=widths, k_clip_by_layer=clips) if max(widths) > c.k_bits else c
+        return float(_nll(model, ids, config, base.quantizer, fitted).sum())
+
+    everywhere = total((c.k_bits,) * layers)
+    return [everywhere - total(tuple(c.k_bits + (i == layer) for i in range(layers)))
+            for layer in progress(range(layers), "calibration: per-layer K sensitivity")]
+
+
+def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: int, lloyd_max: bool = False,
+           shortlist: int = SHORTLIST) -> tuple[Candidate, list[Candidate]]:
+    """The chosen candidate and every candidate considered (attention error for the one-width ones, perplexity
+    for their shortlist and the mixed-K ones), from a rotation fit (calibrate.fit_rotations) and its
+    calibration text."""
+    from .calibrate import _tokens_from_text, clip_errors, fit_quantizer
 
     if not budget > 0:
         raise OscarInputError(f"--budget-bits {budget}: expected a positive number of bits per element")
@@ -81,12 +140,18 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
         c.attention_error = min(c.quantizer["k_clip_errors"].values()) + min(c.quantizer["v_clip_errors"].values())
     ranked = sorted(found, key=lambda c: (c.attention_error, c.bits))[:shortlist]
     ids = _tokens_from_text(tokenizer, text, min(context, fitted["calibration_tokens"]), "calibration text")
-    layers, kv_heads, head_dim = fitted["layers"], fitted["kv_heads"], fitted["head_dim"]
     for c in ranked:
-        q = c.quantizer
-        cache = EvalOscarKVCache(c.config, layers, kv_heads, head_dim, len(ids), q["k_rotation"], q["v_rotation"],
-                                 q.get("k_levels"), q.get("v_levels"))
-        with torch.no_grad():
-            nll = token_nll(model, ids, cache, CHUNK, max(c.config.sink + c.config.recent, CHUNK))
-        c.perplexity = math.exp(float(nll.mean()))
-    return min(ranked, key=lambda c: c.perplexity), found
+        c.perplexity = math.exp(float(_nll(model, ids, c.config, c.quantizer, fitted).mean()))
+    best = min(ranked, key=lambda c: c.perplexity)
+    if lloyd_max or best.config.k_bits == max(SUPPORTED_BITS) or fitted["layers"] < 2:
+        return best, found  # Lloyd-Max levels are fitted at one width; nothing wider than 4 bits
+    wider = replace(best.config, k_bits=best.config.k_bits + 1)
+    errors = clip_errors(fitted["heldout"], fitted["rotations"], wider, "k")
+    wider_clip = min(errors, key=errors.get)
+    gains = layer_gains(model, ids, fitted, best, wider_clip)
+    order = sorted((i for i in range(fitted["layers"]) if gains[i] > 0), key=lambda i: -gains[i])
+    mixed = mixed_candidates(best.config, wider_clip, order, fitted["layers"], budget, context, fitted["head_dim"])
+    for c in mixed:
+        c.quantizer, c.layer_gains = best.quantizer, gains  # the same rotations; each layer's K clip is in the config
+        c.perplexity = math.exp(float(_nll(model, ids, c.config, c.quantizer, fitted).mean()))
+    return min(ranked + mixed, key=lambda c: c.perplexity), found + mixed

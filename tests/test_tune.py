@@ -3,6 +3,7 @@ rotation file carries it into export, eval and plan."""
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -12,7 +13,7 @@ from oscar_export.config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarCon
 from oscar_export.export.artifact import config_for
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model
 from oscar_export.rotation_files import load_rotations
-from oscar_export.tune import WINDOWS, candidates
+from oscar_export.tune import SHORTLIST, WINDOWS, candidates, mixed_candidates
 
 pytestmark = pytest.mark.usefixtures("single_threaded")
 
@@ -63,19 +64,64 @@ def test_the_chosen_format_fits_and_scored_best(budget_file):
     meta = load_rotations(budget_file).metadata
     assert meta["budget_bits"] == 3.2 and meta["budget_context"] == 1024
     assert meta["bits_per_element"] <= 3.2
-    assert meta["bits_per_element"] == pytest.approx(stored_bits(meta["k_bits"], meta["v_bits"], meta["cluster_dim"],
-                                                                 meta["sink"], meta["recent"], 64, 1024))
+    widths = meta.get("k_bits_by_layer") or [meta["k_bits"]]
+    assert meta["bits_per_element"] == pytest.approx(  # a mixed-K format: the mean of its layers' one-width costs
+        sum(stored_bits(k, meta["v_bits"], meta["cluster_dim"], meta["sink"], meta["recent"], 64, 1024)
+            for k in widths) / len(widths))
     considered = meta["budget_candidates"]
     assert all(c["bits"] <= 3.2 for c in considered)
-    scored = [c for c in considered if c["perplexity"] is not None]
-    assert 1 <= len(scored) <= 4
-    # The shortlist is the lowest attention errors; the winner has the lowest perplexity among them.
+    uniform = [c for c in considered if c["k_bits_by_layer"] is None]
+    mixed = [c for c in considered if c["k_bits_by_layer"] is not None]
+    scored = [c for c in uniform if c["perplexity"] is not None]
+    assert 1 <= len(scored) <= SHORTLIST and len(mixed) <= SHORTLIST
+    # The shortlist is the lowest attention errors; the winner has the lowest perplexity of it and the mixed ones.
     cutoff = max(c["attention_error"] for c in scored)
-    assert all(c["attention_error"] >= cutoff for c in considered if c["perplexity"] is None)
-    best = min(scored, key=lambda c: c["perplexity"])
-    assert all(math.isfinite(c["perplexity"]) for c in scored)
-    assert (meta["k_bits"], meta["v_bits"], meta["cluster_dim"], meta["sink"], meta["recent"]) == \
-        (best["k_bits"], best["v_bits"], best["cluster_dim"], best["sink"], best["recent"])
+    assert all(c["attention_error"] >= cutoff for c in uniform if c["perplexity"] is None)
+    best = min(scored + mixed, key=lambda c: c["perplexity"])
+    assert all(math.isfinite(c["perplexity"]) for c in scored + mixed)
+    assert (meta["k_bits"], meta["v_bits"], meta["cluster_dim"], meta["sink"], meta["recent"],
+            meta.get("k_bits_by_layer")) == \
+        (best["k_bits"], best["v_bits"], best["cluster_dim"], best["sink"], best["recent"], best["k_bits_by_layer"])
+    # Mixed candidates widen K where the calibration NLL said it helps, most helped first, on the best one-width
+    # format's widths and group.
+    gains = meta.get("k_layer_gains")
+    for c in mixed:
+        wide = [i for i, b in enumerate(c["k_bits_by_layer"]) if b > c["k_bits"]]
+        assert all(gains[i] > 0 for i in wide)
+        assert min(gains[i] for i in wide) >= max([gains[i] for i in range(4) if i not in wide and gains[i] > 0],
+                                                  default=-math.inf)
+
+
+def test_mixed_candidates_fit_widen_in_order_and_keep_the_largest_windows():
+    base = OscarConfig(k_bits=2, v_bits=2, cluster_dim=64, k_clip=0.7)
+    order = [5, 1, 7, 0, 3, 2]  # layers 4 and 6 did not gain
+    found = mixed_candidates(base, 0.85, order, 8, 3.0, 8192, 64, shortlist=20)
+    assert [sum(b == 3 for b in c.config.k_bits_by_layer) for c in found] == list(range(1, 7))
+    for c in found:
+        widths, clips = c.config.k_bits_by_layer, c.config.k_clip_by_layer
+        n = sum(b == 3 for b in widths)
+        assert {i for i, b in enumerate(widths) if b == 3} == set(order[:n])
+        assert all(clip == (0.85 if b == 3 else 0.7) for b, clip in zip(widths, clips))
+        cost = [sum(stored_bits(k, 2, 64, *w, 64, 8192) for k in widths) / 8 for w in WINDOWS]
+        fitting = [w for w, bits in zip(WINDOWS, cost) if bits <= 3.0]
+        assert (c.config.sink, c.config.recent) == fitting[0] and c.bits == pytest.approx(min(cost[:1] + [
+            bits for w, bits in zip(WINDOWS, cost) if w == fitting[0]]))
+    spread = mixed_candidates(base, 0.85, order, 8, 3.0, 8192, 64, shortlist=3)
+    assert [sum(b == 3 for b in c.config.k_bits_by_layer) for c in spread] == [1, 3, 6]  # ends and the middle
+    assert mixed_candidates(base, 0.85, list(range(8)), 8, 3.0, 8192, 64, shortlist=20)[-1].config.k_bits_by_layer \
+        .count(3) == 7  # all but one layer: all eight is a one-width format
+
+
+def test_a_files_per_layer_key_bits_reach_export_unless_a_flag_sets_k(tmp_path):
+    meta = {"budget_bits": 3.0, "k_bits": 2, "v_bits": 2, "cluster_dim": 64, "sink": 16, "recent": 128,
+            "k_clip": 0.7, "v_clip": 0.7, "k_bits_by_layer": [2, 3, 3, 2], "k_clip_by_layer": [0.7, 0.8, 0.8, 0.7]}
+    rs = SimpleNamespace(metadata=meta)
+    config = config_for(rs, 64)
+    assert config.k_bits_by_layer == (2, 3, 3, 2) and config.k_clip_by_layer == (0.7, 0.8, 0.8, 0.7)
+    assert config.layer(1) == OscarConfig(k_bits=3, k_clip=0.8, v_clip=0.7, sink=16, recent=128)
+    for flag in (dict(k_bits=4), dict(k_clip=0.9)):  # a K the user sets holds for every layer
+        assert not config_for(rs, 64, **flag).mixed
+
 
 
 def test_export_takes_the_format_from_the_file_unless_a_flag_says_otherwise(budget_file):
