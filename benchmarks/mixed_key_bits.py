@@ -18,8 +18,15 @@ Which layers get 3 bits is chosen on calibration tokens only, by one of two rule
   cache) when that layer alone has 3-bit K and every other layer 2-bit;
 - "err": the drop in that layer's attention-output relative error with only K quantized (2 -> 3 bits) on
   the held-out calibration tokens, calibrate.clip_errors' criterion per layer.
-Rows are named mixed-<rule><n>/s<sink>-r<recent>: n layers with 3-bit K. Results:
-benchmarks/results/eval/mixed_key_bits_<split>.json and .md.
+Rows are named mixed-<rule><n>/s<sink>-r<recent>: n layers with 3-bit K, the cache format's k_bits_by_layer
+("nll" ranks with tune.layer_gains, the ranking `calibrate --budget-bits` uses). --budget B adds the row
+budget-B: the format `calibrate --budget-bits B --context 8192 --per-head` chooses from the split's calibration
+text alone, by the CLI's own path:
+
+    nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py --split test --rows "" --budget 3.0
+
+Results: benchmarks/results/eval/mixed_key_bits_<split>.json and .md (--budget-only runs:
+mixed_key_bits_<split>_budget.*).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import argparse
 import json
 import math
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -43,18 +51,19 @@ from subspace_clustering import (  # noqa: E402
     BITS_CONTEXT,
     CALIB_HELDOUT,
     CALIB_TOKENS,
-    CHUNK,
+    GGUF,
     load_split,
     log,
     measure,
-    window_nll,
 )
 
-from oscar_export.cache import bits_per_element  # noqa: E402
 from oscar_export.calibrate import clip_errors  # noqa: E402
+from oscar_export.calibrations import run_calibration  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
 from oscar_export.evaluate import EvalOscarKVCache, Fp16Cache, _oscar_method  # noqa: E402
+from oscar_export.export.artifact import config_for  # noqa: E402
 from oscar_export.hf_cache import attention_shape  # noqa: E402
+from oscar_export.tune import Candidate, layer_gains  # noqa: E402
 
 SENSITIVITY_TOKENS = 2048
 # name -> (rule, layers with 3-bit K, sink, recent); each mixed row costs <= 3.0 bits per element at 8K.
@@ -65,24 +74,10 @@ ROWS = {
 }
 
 
-class MixedKCache(EvalOscarKVCache):
-    """The evaluation's OSCAR cache with one config per layer (they differ only in K's bits and clip)."""
-
-    def __init__(self, configs: list[OscarConfig], shape, max_context: int, k_rot, v_rot):
-        layers, kv_heads, head_dim, _ = shape
-        super().__init__(max(configs, key=lambda c: c.k_bits), layers, kv_heads, head_dim, max_context, k_rot, v_rot)
-        self.configs = configs
-
-    def sequence(self, layer, q, k, v, first):
-        whole, self.config = self.config, self.configs[layer]
-        try:
-            return super().sequence(layer, q, k, v, first)
-        finally:
-            self.config = whole
-
-
-def mixed_bits(configs: list[OscarConfig], head_dim: int) -> float:
-    return sum(bits_per_element(c, head_dim, BITS_CONTEXT) for c in configs) / len(configs)
+def mixed(cfg2: OscarConfig, cfg3: OscarConfig, wide: list[int], layers: int) -> OscarConfig:
+    """cfg2 with cfg3's K width and clip in the `wide` layers (k_bits_by_layer)."""
+    return replace(cfg2, k_bits_by_layer=tuple(cfg3.k_bits if i in wide else cfg2.k_bits for i in range(layers)),
+                   k_clip_by_layer=tuple(cfg3.k_clip if i in wide else cfg2.k_clip for i in range(layers)))
 
 
 def error_gains(heldout, rotations, cfg2: OscarConfig, cfg3: OscarConfig) -> list[float]:
@@ -93,19 +88,19 @@ def error_gains(heldout, rotations, cfg2: OscarConfig, cfg3: OscarConfig) -> lis
     return [error(layer, cfg2) - error(layer, cfg3) for layer in sorted(heldout)]
 
 
-def nll_gains(model, ids, make, cfg2: OscarConfig, cfg3: OscarConfig, layers: int) -> list[float]:
-    """Per layer: calibration NLL (sum over tokens) with every layer 2-bit K, less that with this layer 3-bit."""
-    first = max(cfg2.sink + cfg2.recent, CHUNK)
-
-    def total(configs):
-        return float(window_nll(model, ids, make(configs, len(ids)), first).sum())
-
-    base = total([cfg2] * layers)
-    gains = []
-    for layer in range(layers):
-        gains.append(base - total([cfg3 if i == layer else cfg2 for i in range(layers)]))
-        log(f"sensitivity layer {layer}: {gains[-1]:+.2f} nats")
-    return gains
+def budget_row(budget: float, model, tokenizer, calibration_text: str, head_dim: int):
+    """(name, config, wider-K layers, rotations) of the format `calibrate --budget-bits B --context 8192 --per-head` chooses
+    from this split's calibration text (tokens and held-out tokens as the rows above), through the CLI's own
+    path: run_calibration, then the config export and eval take from the file."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "calibration.txt"
+        path.write_text(calibration_text)
+        rotation_set, seconds = run_calibration(GGUF, OscarConfig(), path, CALIB_TOKENS, CALIB_HELDOUT, per_head=True,
+                                                model=model, tokenizer=tokenizer, budget=(budget, BITS_CONTEXT))
+    config = config_for(rotation_set, head_dim)
+    log(f"budget {budget}: chose {config.describe()} sink {config.sink} recent {config.recent} in {seconds} s")
+    wide = [i for i, b in enumerate(config.k_bits_by_layer) if b > config.k_bits] or None
+    return f"budget-{budget:g}", config, wide, {"k": rotation_set.k, "v": rotation_set.v}
 
 
 def write_report(args, rows, gains, started, final: bool) -> None:
@@ -116,7 +111,7 @@ def write_report(args, rows, gains, started, final: bool) -> None:
     report = {"split": args.split, "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "contexts": CONTEXTS,
               "complete": final, "rows": rows, "layer_gains": gains, "wall_s": wall}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"mixed_key_bits_{args.split}"
+    stem = args.out / f"mixed_key_bits_{args.split}{'' if args.rows else '_budget'}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     if not final:
         return
@@ -138,10 +133,13 @@ def write_report(args, rows, gains, started, final: bool) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--split", choices=("validation", "test"), default="validation")
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated mixed rows, of {list(ROWS)}")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated mixed rows, of {list(ROWS)} "
+                                                           "(empty: none)")
+    p.add_argument("--budget", type=float, metavar="B",
+                   help="also measure the format calibrate --budget-bits B --context 8192 --per-head chooses")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/eval")
     args = p.parse_args()
-    unknown = sorted(set(args.rows.split(",")) - set(ROWS))
+    unknown = sorted(set(filter(None, args.rows.split(","))) - set(ROWS))
     if unknown:
         sys.exit(f"--rows: unknown {unknown}: expected some of {list(ROWS)}")
     started = time.perf_counter()
@@ -161,13 +159,15 @@ def main() -> None:
     cfg3 = replace(cfg2, k_bits=3, k_clip=min(k3_errors, key=k3_errors.get))
     log(f"clip K: 2-bit {cfg2.k_clip}, 3-bit {cfg3.k_clip}; V {cfg2.v_clip}")
 
-    def make(configs, n):
-        return MixedKCache(configs, shape, n, rotations["k"], rotations["v"])
+    sizes = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
+    quantizer = {"k_rotation": rotations["k"], "v_rotation": rotations["v"]}
 
-    def run(name, configs, k3_layers=None):
-        rows[name] = measure(model, lambda n: make(configs, n), configs[0], window, case, needle_length, head_dim)
-        rows[name].update(bits=mixed_bits(configs, head_dim), k3_layers=k3_layers,
-                          config={f"k{c.k_bits}": c.to_dict() for c in configs})
+    def run(name, config, k3_layers=None, rot=rotations):
+        def make(n):
+            return EvalOscarKVCache(config, layers, kv_heads, head_dim, n, rot["k"], rot["v"])
+
+        rows[name] = measure(model, make, config, window, case, needle_length, head_dim)
+        rows[name].update(k3_layers=k3_layers, config=config.to_dict())
         log(f"{name}: {rows[name]}")
         write_report(args, rows, gains, started, final=False)
 
@@ -175,21 +175,23 @@ def main() -> None:
     rows["fp16"] = measure(model, lambda n: Fp16Cache(layers, kv_heads, head_dim, n), None, window, case,
                            needle_length, head_dim)
     rows["oscar-2/g64"] = measure(model, default.make, default.config, window, case, needle_length, head_dim)
-    windows = sorted({ROWS[name][2:] for name in args.rows.split(",")})
+    windows = sorted({ROWS[name][2:] for name in args.rows.split(",") if name})
     for sink, recent in windows:
-        w2, w3 = replace(cfg2, sink=sink, recent=recent), replace(cfg3, sink=sink, recent=recent)
-        run(f"oscar-k3v2/s{sink}-r{recent}", [w3] * layers, list(range(layers)))
-    for name in args.rows.split(","):
+        run(f"oscar-k3v2/s{sink}-r{recent}", replace(cfg3, sink=sink, recent=recent), list(range(layers)))
+    for name in filter(None, args.rows.split(",")):
         rule, count, sink, recent = ROWS[name]
         w2, w3 = replace(cfg2, sink=sink, recent=recent), replace(cfg3, sink=sink, recent=recent)
         key = f"{rule}/s{sink}-r{recent}"
         if key not in gains:
             gains[key] = (error_gains(heldout, rotations, w2, w3) if rule == "err"
-                          else nll_gains(model, calibration_ids, make, w2, w3, layers))
+                          else layer_gains(model, calibration_ids, sizes, Candidate(w2, 0.0, quantizer=quantizer),
+                                           w3.k_clip))
         chosen = sorted(sorted(range(layers), key=lambda i: -gains[key][i])[:count])
-        run(name, [w3 if i in chosen else w2 for i in range(layers)], chosen)
+        run(name, mixed(w2, w3, chosen, layers), chosen)
         if rows[name]["bits"] > 3.0 + 1e-9:
             raise SystemExit(f"{name} costs {rows[name]['bits']:.4f} bits per element: over the 3.0 budget")
+    if args.budget is not None:
+        run(*budget_row(args.budget, model, tokenizer, calibration_text, head_dim))
     write_report(args, rows, gains, started, final=True)
     log(f"wall {math.ceil(time.perf_counter() - started)} s")
 

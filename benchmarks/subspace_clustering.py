@@ -77,6 +77,7 @@ CALIB_TOKENS, CALIB_HELDOUT, WINDOW, CHUNK = 4096, 512, 512, 64
 NEEDLE_CONTEXT, NEEDLE_TOKENS, NEEDLE_PREFIX, NEEDLE_DEPTHS = 4096, 24, 8, (0.1, 0.3, 0.5, 0.7, 0.9)
 FIT_ITERATIONS = 4
 BITS_CONTEXT = 8192
+GGUF = ROOT / ".cache/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # C1-l2-layer is the one-rotation control (K second-moment rotation, no ids); C4-l2-layer the plain design;
 # the q-head rows had the lowest held-out calibration proxy error in a C=4 comparison of the four metric/scope
 # pairs (8 of the 30 layers, clip 0.65).
@@ -352,10 +353,9 @@ def load_split(split: str, needle: bool = True):
     """SmolLM2 and one split, as the lever sweep reads them: (model, tokenizer, calibration text, the 8K
     perplexity window, the needle case or None, the needle sequence's length)."""
     torch.manual_seed(0)
-    gguf = ROOT / ".cache/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not gguf.is_file():
+    if not GGUF.is_file():
         sys.exit("fetch the model first: bash scripts/fetch_smollm2.sh")
-    model, tokenizer = load_model(str(gguf))
+    model, tokenizer = load_model(str(GGUF))
     calibration_text, ids = _text_tokens(tokenizer, split_text(split), CALIB_TOKENS + CALIB_HELDOUT + SPLIT_MARGIN)
     case = needle_cases(ids, NEEDLE_CONTEXT, NEEDLE_TOKENS, NEEDLE_PREFIX, NEEDLE_DEPTHS, 1)[0] if needle else None
     return (model, tokenizer, calibration_text, ids[:BITS_CONTEXT], case,
