@@ -99,4 +99,5 @@ def test_any_chunking_crosses_windows_consistently(bits_k, bits_v, cluster_dim, 
                 assert torch.equal(stored[:, p], exact)
     for region in ("sink", "recent", "codes", "scale", "zero"):
         for kind in ("k", "v"):
-            assert torch.equal(getattr(whole, region)[kind], getattr(parts, region)[kind])
+            by_layer = zip(getattr(whole, region)[kind], getattr(parts, region)[kind])  # codes: a list per layer
+            assert all(torch.equal(a, b) for a, b in by_layer)

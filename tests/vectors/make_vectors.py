@@ -156,7 +156,8 @@ def outputs(t: dict[str, torch.Tensor], cfg: OscarConfig, d: int) -> dict[str, t
     out["cache.decode_out_rot"] = torch.stack([o[:, 0] for o in outs[1:]])
     for kind in KINDS:
         for region in REGIONS:
-            out[f"cache.final.{kind}.{region}"] = getattr(rotated, region)[kind]
+            # [layers, ...]: the codes are held as a list per layer, one width here
+            out[f"cache.final.{kind}.{region}"] = torch.stack(list(getattr(rotated, region)[kind]))
 
     # End to end from the originals, in the model's space: float work, for end-to-end checks.
     full = OscarKVCache(cfg, LAYERS, KV_HEADS, d, TOKENS, t["cache.k_rotation"], t["cache.v_rotation"],
