@@ -184,6 +184,16 @@ inline void rows_by_group(const uint16_t* v, int n, int G, float* out, int strid
       _mm256_storeu_ps(out + j0, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j0))));
       continue;
     }
+    if (rows == 8 && G == 2) {  // rows 0-3 and 4-7, groups interleaved: split by shuffles (gathers are slow on AMD)
+      const __m256 a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j0 * 2)));
+      const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + j0 * 2 + 8)));
+      auto rows_in_order = [](__m256 x) {  // rows 0 1 4 5 | 2 3 6 7 -> 0..7
+        return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8));
+      };
+      _mm256_storeu_ps(out + j0, rows_in_order(_mm256_shuffle_ps(a, c, _MM_SHUFFLE(2, 0, 2, 0))));
+      _mm256_storeu_ps(out + stride + j0, rows_in_order(_mm256_shuffle_ps(a, c, _MM_SHUFFLE(3, 1, 3, 1))));
+      continue;
+    }
     alignas(32) float t[8 * (kPlanarMaxDim / 32)] = {};
     if (rows == 8) {
       for (int i = 0; i < G; ++i)
@@ -195,45 +205,50 @@ inline void rows_by_group(const uint16_t* v, int n, int G, float* out, int strid
   }
 }
 
-// Scores of NH query heads over 8-row chunks: per row and group, the codes are expanded once and
-// dotted with every head's terms; 8 rows' int32 lanes are reduced together.
-template <int BITS, int NH>
+// Scores of NH query heads over 8-row chunks: per row and group the codes are expanded once and
+// meet every head's terms; the terms' integer dots are added in int32 as base-181 digits (no
+// rounding: SplitQuery bounds the sum), so each row, head and group costs one 8-lane reduction,
+// done for 8 rows together. CD, the group size, is a template argument so the per-group loops
+// unroll into straight code.
+template <int BITS, int CD, int NH>
 void planar_scores_heads(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, const float* qsum, int h0,
                          float* scores) {
-  const int D = b.head_dim, cd = b.cluster_dim, G = b.groups, group_bytes = cd * BITS / 8, code_bytes = D * BITS / 8;
+  constexpr int kVectors = CD / 32, kGroupBytes = CD * BITS / 8;
+  const int D = b.head_dim, G = b.groups, code_bytes = D * BITS / 8;
   const uint8_t* codes = b.codes + row0 * code_bytes;
   alignas(32) float scale[kPlanarMaxDim / 32][kPlanarRows], zero[kPlanarMaxDim / 32][kPlanarRows];
   rows_by_group(b.scale + row0 * G, n, G, scale[0], kPlanarRows);
   rows_by_group(b.zero + row0 * G, n, G, zero[0], kPlanarRows);
-  const __m256i ones = _mm256_set1_epi16(1);
+  static_assert(kTerms == 3, "digit weights below");
+  const __m256i digit[kTerms] = {_mm256_set1_epi16(kDigit * kDigit), _mm256_set1_epi16(kDigit), _mm256_set1_epi16(1)};
   for (int j0 = 0; j0 < n; j0 += 8) {
     const int rows = min_int(8, n - j0);
     __m256 total[NH];
     for (int k = 0; k < NH; ++k) total[k] = _mm256_setzero_ps();
     for (int g = 0; g < G; ++g) {
-      __m256i dots[NH][kTerms][8];
+      __m256i dots[NH][8];
       for (int r = 0; r < 8; ++r) {
         if (r >= rows) {
-          for (int k = 0; k < NH; ++k)
-            for (int i = 0; i < kTerms; ++i) dots[k][i][r] = _mm256_setzero_si256();
+          for (int k = 0; k < NH; ++k) dots[k][r] = _mm256_setzero_si256();
           continue;
         }
         __m256i c[4];
-        expand_group<BITS>(codes + (j0 + r) * code_bytes + g * group_bytes, cd, c);
-        for (int k = 0; k < NH; ++k)
+        expand_group<BITS>(codes + (j0 + r) * code_bytes + g * kGroupBytes, CD, c);
+        for (int k = 0; k < NH; ++k) {
+          __m256i sum = _mm256_setzero_si256();
           for (int i = 0; i < kTerms; ++i) {
-            const __m256i* y = reinterpret_cast<const __m256i*>(sq[k].t[i] + g * cd);
+            const __m256i* y = reinterpret_cast<const __m256i*>(sq[k].t[i] + g * CD);
             __m256i m = _mm256_maddubs_epi16(c[0], _mm256_load_si256(y));
-            for (int o = 1; o < cd / 32; ++o)  // int16 pair sums stay below 4 x 2 x 15 x 127 < 2^15
+            for (int o = 1; o < kVectors; ++o)  // int16 pair sums stay below 4 x 2 x 15 x 127 < 2^15
               m = _mm256_add_epi16(m, _mm256_maddubs_epi16(c[o], _mm256_load_si256(y + o)));
-            dots[k][i][r] = _mm256_madd_epi16(m, ones);
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(m, digit[i]));
           }
+          dots[k][r] = sum;
+        }
       }
       const __m256 s8 = _mm256_load_ps(scale[g] + j0), z8 = _mm256_load_ps(zero[g] + j0);
       for (int k = 0; k < NH; ++k) {
-        __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(dots[k][kTerms - 1])), _mm256_set1_ps(sq[k].s[kTerms - 1][g]));
-        for (int i = kTerms - 2; i >= 0; --i)  // smallest term first
-          dot = _mm256_fmadd_ps(_mm256_cvtepi32_ps(hsum8_epi32(dots[k][i])), _mm256_set1_ps(sq[k].s[i][g]), dot);
+        const __m256 dot = _mm256_mul_ps(_mm256_cvtepi32_ps(hsum8_epi32(dots[k])), _mm256_set1_ps(sq[k].unit[g]));
         total[k] = _mm256_fmadd_ps(s8, dot, _mm256_fmadd_ps(z8, _mm256_set1_ps(qsum[(h0 + k) * G + g]), total[k]));
       }
     }
@@ -250,52 +265,59 @@ void planar_scores_heads(const BodyView& b, int64_t row0, int n, const SplitQuer
   }
 }
 
-template <int BITS>
-void planar_scores(const BodyView& b, int64_t row0, int n, const float* qsum, int heads, float* scores,
-                   const SplitQuery* sq) {
+template <int BITS, int CD>
+void planar_scores_cd(const BodyView& b, int64_t row0, int n, const float* qsum, int heads, float* scores,
+                      const SplitQuery* sq) {
   for (int h0 = 0; h0 < heads; h0 += 4) {
     switch (min_int(4, heads - h0)) {
-      case 1: planar_scores_heads<BITS, 1>(b, row0, n, sq + h0, qsum, h0, scores); break;
-      case 2: planar_scores_heads<BITS, 2>(b, row0, n, sq + h0, qsum, h0, scores); break;
-      case 3: planar_scores_heads<BITS, 3>(b, row0, n, sq + h0, qsum, h0, scores); break;
-      default: planar_scores_heads<BITS, 4>(b, row0, n, sq + h0, qsum, h0, scores); break;
+      case 1: planar_scores_heads<BITS, CD, 1>(b, row0, n, sq + h0, qsum, h0, scores); break;
+      case 2: planar_scores_heads<BITS, CD, 2>(b, row0, n, sq + h0, qsum, h0, scores); break;
+      case 3: planar_scores_heads<BITS, CD, 3>(b, row0, n, sq + h0, qsum, h0, scores); break;
+      default: planar_scores_heads<BITS, CD, 4>(b, row0, n, sq + h0, qsum, h0, scores); break;
     }
   }
 }
 
-// Channel-major over plane positions: 8 positions x heads accumulators stay in registers across
-// the block's rows, then land on their channels. weights[(h * groups + g) * n + j].
+template <int BITS>
+void planar_scores(const BodyView& b, int64_t row0, int n, const float* qsum, int heads, float* scores,
+                   const SplitQuery* sq) {
+  switch (b.cluster_dim) {  // 32, 64 or 128 (validated)
+    case 32: return planar_scores_cd<BITS, 32>(b, row0, n, qsum, heads, scores, sq);
+    case 64: return planar_scores_cd<BITS, 64>(b, row0, n, qsum, heads, scores, sq);
+    default: return planar_scores_cd<BITS, 128>(b, row0, n, qsum, heads, scores, sq);
+  }
+}
+
+// Channel-major over plane positions: 16 positions x NH heads of accumulators stay in registers
+// across the block's rows (each weight broadcast feeds two FMAs), then land on their channels.
+// weights[(h * groups + g) * n + j]; cluster_dim >= 32, so 16 positions never straddle a group.
 template <int BITS, int NH>
 void planar_values_heads(const BodyView& b, const uint8_t* codes, int n, int h0, float* acc, const float* weights) {
   const int D = b.head_dim, cd = b.cluster_dim, G = b.groups;
-  for (int p0 = 0; p0 < D; p0 += 8) {
-    const int g = p0 / cd;
-    __m256 a0[NH], a1[NH];  // two chains (even and odd rows) hide the FMA latency
-    const float* w[NH];
-    for (int k = 0; k < NH; ++k) {
-      a0[k] = a1[k] = _mm256_setzero_ps();
-      w[k] = weights + int64_t((h0 + k) * G + g) * n;
-    }
-    auto code8 = [&](int j) {
-      return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j * D + p0))));
-    };
-    int j = 0;
-    for (; j + 1 < n; j += 2) {
-      const __m256 c0 = code8(j), c1 = code8(j + 1);
+  const int64_t head_stride = int64_t(G) * n;
+  for (int p0 = 0; p0 < D; p0 += 16) {
+    const float* w = weights + int64_t(h0 * G + p0 / cd) * n;  // head h0 + k: w + k * head_stride
+    __m256 lo[NH], hi[NH];
+#pragma GCC unroll 4
+    for (int k = 0; k < NH; ++k) lo[k] = hi[k] = _mm256_setzero_ps();
+    for (int j = 0; j < n; ++j) {
+      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * D + p0));
+      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
+      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(c, c)));
+#pragma GCC unroll 4
       for (int k = 0; k < NH; ++k) {
-        a0[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[k] + j), c0, a0[k]);
-        a1[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[k] + j + 1), c1, a1[k]);
+        const __m256 wk = _mm256_broadcast_ss(w + k * head_stride + j);
+        lo[k] = _mm256_fmadd_ps(wk, c0, lo[k]);
+        hi[k] = _mm256_fmadd_ps(wk, c1, hi[k]);
       }
     }
-    if (j < n) {
-      const __m256 c0 = code8(j);
-      for (int k = 0; k < NH; ++k) a0[k] = _mm256_fmadd_ps(_mm256_broadcast_ss(w[k] + j), c0, a0[k]);
-    }
+#pragma GCC unroll 4
     for (int k = 0; k < NH; ++k) {
-      alignas(32) float t[8];
-      _mm256_store_ps(t, _mm256_add_ps(a0[k], a1[k]));
+      alignas(32) float t[16];
+      _mm256_store_ps(t, lo[k]);
+      _mm256_store_ps(t + 8, hi[k]);
       float* dst = acc + (h0 + k) * D;
-      for (int l = 0; l < 8; ++l) dst[plane_channel(p0 + l, BITS, cd)] += t[l];
+      for (int l = 0; l < 16; ++l) dst[plane_channel(p0 + l, BITS, cd)] += t[l];
     }
   }
 }

@@ -5,6 +5,7 @@
 // + sum_t (p_t scale_t) level[c]. Callers pass validated, in-bounds views.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -102,30 +103,39 @@ inline int plane_channel(int p, int bits, int cluster_dim) {
   return (p - r) + ((r & ((1 << seg_log) - 1)) << cpb_log) + (r >> seg_log);
 }
 
-// The query split into three int8 terms per group, in plane order:
-// q ~ s[0] * t[0] + s[1] * t[1] + s[2] * t[2] with s[i+1] = s[i] / 254, so each term holds the
-// rounding residual of the ones before it; what is left is below max|q| / 2^24 per element, the
-// rounding of the fp32 reference itself.
+// The query as an integer per group, q ~ unit * Q, written as three balanced base-181 digits
+// Q = t[0] * 181^2 + t[1] * 181 + t[2] (|t[1]|, |t[2]| <= 90), each an int8 term the codes meet
+// in integer dot products. A kernel adds the terms' dots with weights 181^2, 181 and 1 (each fits
+// int16) and scales once by unit: no rounding until then, because the largest digit is chosen so
+// that cluster_dim * max code * max|Q| < 2^31 (127 for 2-bit codes; 4-bit codes in groups of 64
+// or 128 give up one or two bits of it). What is left is below max|q| / 2^23 per element for
+// 2-bit codes, near the rounding of the fp32 reference itself.
 constexpr int kTerms = 3;
+constexpr int kDigit = 181;  // 181^2 = 32761 still fits int16
+constexpr int kHalfDigits = (kDigit * kDigit - 1) / 2;  // the largest |t[1] * 181 + t[2]|
 
 struct SplitQuery {
   alignas(32) int8_t t[kTerms][kPlanarMaxDim];
-  float s[kTerms][kPlanarMaxDim / 32];
+  float unit[kPlanarMaxDim / 32];
 
   void set(const float* q, int bits, int head_dim, int cd) {
+    const int64_t q_limit = int64_t(INT32_MAX) / (int64_t(cd) * ((1 << bits) - 1));  // max|Q| for int32 sums
+    const int64_t top = std::min<int64_t>(127, (q_limit - kHalfDigits) / (kDigit * kDigit));
+    const int64_t q_top = top * kDigit * kDigit + kHalfDigits;
     for (int g = 0; g < head_dim / cd; ++g) {
       float amax = 0.0f;
       for (int i = g * cd; i < (g + 1) * cd; ++i) amax = std::fabs(q[i]) > amax ? std::fabs(q[i]) : amax;
-      s[0][g] = amax / 127.0f;
-      for (int i = 1; i < kTerms; ++i) s[i][g] = s[i - 1][g] / 254.0f;  // |residual| <= s[i-1]/2 = 127 s[i]
+      unit[g] = amax / float(top * kDigit * kDigit);
       for (int p = g * cd; p < (g + 1) * cd; ++p) {
-        float x = q[plane_channel(p, bits, cd)];
-        for (int i = 0; i < kTerms; ++i) {
-          float r = s[i][g] > 0.0f ? std::nearbyint(x / s[i][g]) : 0.0f;
-          r = r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r;
-          t[i][p] = int8_t(r);
-          x -= r * s[i][g];
+        const float x = q[plane_channel(p, bits, cd)];
+        int64_t v = unit[g] > 0.0f ? int64_t(std::nearbyint(x / unit[g])) : 0;
+        v = v > q_top ? q_top : v < -q_top ? -q_top : v;
+        for (int i = kTerms - 1; i > 0; --i) {  // balanced digits, lowest first
+          const int64_t up = (v + (v >= 0 ? kDigit / 2 : -(kDigit / 2))) / kDigit;
+          t[i][p] = int8_t(v - up * kDigit);
+          v = up;
         }
+        t[0][p] = int8_t(v);
       }
     }
   }

@@ -128,10 +128,12 @@ inline void expand_group(const uint8_t* src, int cd, uint8x16_t* out) {
 
 // Dot of one row's expanded group with the int8 query terms: u8 codes (< 16) read as s8.
 // With the dot-product extension one sdot takes 16 byte products into four int32 lanes; without
-// it, vmull_s8 and vpadalq_s16 take two instructions per 8. Same integer sums either way.
+// it, vmull_s8 and vpadalq_s16 take two instructions per 8. Same integer sums either way. The
+// terms' sums are added as base-181 digits in int32 (exact: SplitQuery bounds them), then
+// reduced and scaled once.
 inline float group_dot(const uint8x16_t* c, int vectors, const SplitQuery& sq, int g, int cd) {
-  float dot = 0.0f;
-  for (int i = kTerms - 1; i >= 0; --i) {  // smallest term first
+  int32x4_t total = vdupq_n_s32(0);
+  for (int i = 0; i < kTerms; ++i) {
     const int8_t* t = sq.t[i] + g * cd;
     int32x4_t acc = vdupq_n_s32(0);
     for (int o = 0; o < vectors; ++o) {
@@ -143,9 +145,9 @@ inline float group_dot(const uint8x16_t* c, int vectors, const SplitQuery& sq, i
       acc = vpadalq_s16(acc, vmull_high_s8(x, y));
 #endif
     }
-    dot += float(vaddvq_s32(acc)) * sq.s[i][g];
+    total = vmlaq_n_s32(acc, total, kDigit);  // Horner: (d0 * 181 + d1) * 181 + d2
   }
-  return dot;
+  return float(vaddvq_s32(total)) * sq.unit[g];
 }
 
 template <int BITS>
