@@ -462,28 +462,63 @@ void avx2_load_f16(const uint16_t* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
 }
 
-float avx2_dot(const float* a, const float* b, int64_t n) {
-  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
+// Four rows at a time, so each load of the query feeds four FMA chains.
+void avx2_dots(const float* q, const float* x, int n, int64_t d, float* s) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* r = x + j * d;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + i);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + i), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + d + i), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 2 * d + i), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(r + 3 * d + i), a3);
+    }
+    float t[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+    for (; i < d; ++i)
+      for (int k = 0; k < 4; ++k) t[k] += q[i] * r[k * d + i];
+    for (int k = 0; k < 4; ++k) s[j + k] = t[k];
   }
-  float sum = hsum(_mm256_add_ps(s0, s1));
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+  for (; j < n; ++j) {
+    const float* r = x + j * d;
+    __m256 a0 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= d; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(r + i), a0);
+    float t = hsum(a0);
+    for (; i < d; ++i) t += q[i] * r[i];
+    s[j] = t;
+  }
 }
 
-void avx2_axpy(float* acc, float w, const float* x, int64_t n) {
-  const __m256 wv = _mm256_set1_ps(w);
+// 32 accumulator lanes stay in registers across all n rows, then the next 32.
+void avx2_axpys(float* acc, const float* w, const float* x, int n, int64_t d) {
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(acc + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(acc + i)));
-  for (; i < n; ++i) acc[i] += w * x[i];
+  for (; i + 32 <= d; i += 32) {
+    __m256 a0 = _mm256_loadu_ps(acc + i), a1 = _mm256_loadu_ps(acc + i + 8), a2 = _mm256_loadu_ps(acc + i + 16),
+           a3 = _mm256_loadu_ps(acc + i + 24);
+    for (int j = 0; j < n; ++j) {
+      const __m256 wj = _mm256_broadcast_ss(w + j);
+      const float* r = x + j * d + i;
+      a0 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r), a0);
+      a1 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 8), a1);
+      a2 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 16), a2);
+      a3 = _mm256_fmadd_ps(wj, _mm256_loadu_ps(r + 24), a3);
+    }
+    _mm256_storeu_ps(acc + i, a0), _mm256_storeu_ps(acc + i + 8, a1);
+    _mm256_storeu_ps(acc + i + 16, a2), _mm256_storeu_ps(acc + i + 24, a3);
+  }
+  for (; i < d; ++i) {
+    float t = acc[i];
+    for (int j = 0; j < n; ++j) t += w[j] * x[j * d + i];
+    acc[i] = t;
+  }
 }
 
 }  // namespace
 
 const BodyKernels kAvx2Kernels = {avx2_scores,   avx2_values, avx2_scale_max, avx2_exp_sum,
-                                  avx2_load_f16, avx2_dot,    avx2_axpy,      avx2_prepare, "avx2"};
+                                  avx2_load_f16, avx2_dots,   avx2_axpys,     avx2_prepare, "avx2"};
 
 }  // namespace oscar

@@ -236,28 +236,40 @@ struct Layer {
                     int(G)};
   }
 
-  // The fp32 value at position p of KV head h as this chunk's attention sees it: the cache
-  // before the chunk (sink, ring fp16; body dequantized) or the chunk's own fp16 row.
-  void load_row(const Kind& k, int64_t h, int64_t p, float* dst, const BodyKernels& kernels) const {
-    const uint16_t* src;
-    if (p >= n0) {
-      src = k.chunk + (h * T + p - n0) * D;
-    } else if (p < S) {
-      src = k.cache.sink + (h * sink_cap + p) * D;
-    } else if (p >= std::max(S, n0 - W)) {
-      src = k.cache.recent + (h * recent_cap + (p - S) % W) * D;
-    } else {
-      const BodyView b = body(k, h);
-      const int64_t row = p - S;
-      const int cd = b.cluster_dim;
-      for (int64_t g = 0; g < G; ++g) {
-        group_levels(b, b.codes + row * k.code_bytes + g * cd * k.bits / 8, dst + g * cd);
-        const float s = half_to_float(b.scale[row * G + g]), z = half_to_float(b.zero[row * G + g]);
-        for (int i = 0; i < cd; ++i) dst[g * cd + i] = z + s * dst[g * cd + i];
+  // The fp32 values at positions p .. p+n-1 of KV head h as this chunk's attention sees them: the
+  // cache before the chunk (sink, ring fp16; body dequantized) or the chunk's own fp16 rows. Rows
+  // that lie contiguously in one fp16 buffer are converted in one call.
+  void load_rows(const Kind& k, int64_t h, int64_t p, int n, float* dst, const BodyKernels& kernels) const {
+    for (int j = 0; j < n;) {
+      const int64_t q = p + j;
+      const uint16_t* src;
+      int64_t run;  // rows from q on in the same buffer, in order
+      if (q >= n0) {
+        src = k.chunk + (h * T + q - n0) * D, run = n0 + T - q;
+      } else if (q < S) {
+        src = k.cache.sink + (h * sink_cap + q) * D, run = std::min(S, n0) - q;
+      } else if (q >= std::max(S, n0 - W)) {
+        const int64_t slot = (q - S) % W;
+        src = k.cache.recent + (h * recent_cap + slot) * D, run = std::min(n0 - q, W - slot);
+      } else {
+        body_row(k, h, q - S, dst + j * D);
+        ++j;
+        continue;
       }
-      return;
+      run = std::min<int64_t>(run, n - j);
+      kernels.load_f16(src, run * D, dst + j * D);
+      j += int(run);
     }
-    kernels.load_f16(src, D, dst);
+  }
+
+  void body_row(const Kind& k, int64_t h, int64_t row, float* dst) const {
+    const BodyView b = body(k, h);
+    const int cd = b.cluster_dim;
+    for (int64_t g = 0; g < G; ++g) {
+      group_levels(b, b.codes + row * k.code_bytes + g * cd * k.bits / 8, dst + g * cd);
+      const float s = half_to_float(b.scale[row * G + g]), z = half_to_float(b.zero[row * G + g]);
+      for (int i = 0; i < cd; ++i) dst[g * cd + i] = z + s * dst[g * cd + i];
+    }
   }
 
   // Dense path for any T: fp32 blocks of K/V rows, causal mask. Queries go in tiles of kBlock
@@ -277,18 +289,16 @@ struct Layer {
       std::fill(acc, acc + states * D, 0.0f);
       for (int64_t b0 = 0; b0 < n0 + t1; b0 += kBlock) {
         const int n = int(std::min<int64_t>(kBlock, n0 + t1 - b0));
-        for (int j = 0; j < n; ++j) {
-          load_row(kind[0], h, b0 + j, kb + j * D, kernels);
-          load_row(kind[1], h, b0 + j, vb + j * D, kernels);
-        }
+        load_rows(kind[0], h, b0, n, kb, kernels);
+        load_rows(kind[1], h, b0, n, vb, kernels);
         for (int64_t t = t0; t < t1; ++t) {
           const int visible = int(std::min<int64_t>(n, n0 + t + 1 - b0));  // keys at positions <= n0 + t
           for (int64_t hh = 0; hh < group && visible > 0; ++hh) {
             const int64_t st = hh * kBlock + t - t0;
             const float* q = a.q + ((h * group + hh) * T + t) * D;
-            for (int j = 0; j < visible; ++j) s[j] = kernels.dot(q, kb + j * D, D);
+            kernels.dots(q, kb, visible, D, s);
             softmax_block(kernels, a.config.scaling, s, visible, m[st], l[st], acc + st * D, D);
-            for (int j = 0; j < visible; ++j) kernels.axpy(acc + st * D, s[j], vb + j * D, D);
+            kernels.axpys(acc + st * D, s, vb, visible, D);
           }
         }
       }
@@ -339,14 +349,12 @@ struct Layer {
     auto dense = [&](int64_t from, int64_t to) {
       for (int64_t b0 = from; b0 < to; b0 += kBlock) {
         const int n = int(std::min<int64_t>(kBlock, to - b0));
-        for (int j = 0; j < n; ++j) {
-          load_row(kind[0], h, b0 + j, kb + j * D, kernels);
-          load_row(kind[1], h, b0 + j, vb + j * D, kernels);
-        }
+        load_rows(kind[0], h, b0, n, kb, kernels);
+        load_rows(kind[1], h, b0, n, vb, kernels);
         for (int64_t hh = 0; hh < group; ++hh) {
-          for (int j = 0; j < n; ++j) s[j] = kernels.dot(q + hh * D, kb + j * D, D);
+          kernels.dots(q + hh * D, kb, n, D, s);
           softmax_block(kernels, a.config.scaling, s, n, m[hh], l[hh], acc + hh * D, D);
-          for (int j = 0; j < n; ++j) kernels.axpy(acc + hh * D, s[j], vb + j * D, D);
+          kernels.axpys(acc + hh * D, s, vb, n, D);
         }
       }
     };
@@ -825,13 +833,17 @@ void scalar_load_f16(const uint16_t* src, int64_t n, float* dst) {
   for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(src[i]);
 }
 
-float scalar_dot(const float* a, const float* b, int64_t n) { return dot(a, b, n); }
+void scalar_dots(const float* q, const float* x, int n, int64_t d, float* s) {
+  for (int j = 0; j < n; ++j) s[j] = dot(q, x + j * d, d);
+}
 
-void scalar_axpy(float* acc, float w, const float* x, int64_t n) { axpy(acc, w, x, n); }
+void scalar_axpys(float* acc, const float* w, const float* x, int n, int64_t d) {
+  for (int j = 0; j < n; ++j) axpy(acc, w[j], x + j * d, d);
+}
 
 void no_prepare(const BodyView&, const float*, int, void*) {}
 
 const BodyKernels kScalarKernels = {scalar_scores,  scalar_values,   scalar_scale_max, scalar_exp_sum,
-                                    scalar_load_f16, scalar_dot,     scalar_axpy,      no_prepare, "scalar"};
+                                    scalar_load_f16, scalar_dots,    scalar_axpys,     no_prepare, "scalar"};
 
 }  // namespace oscar

@@ -39,10 +39,11 @@ struct BodyKernels {
   // Online softmax pieces: s[j] *= scaling, returning the max; then s[j] = exp(s[j] - m), returning the sum.
   float (*scale_max)(float* s, int n, float scaling);
   float (*exp_sum)(float* s, int n, float m);
-  // The fp16 windows of a decode step: dst[i] = src[i] as fp32; dot product; acc += w * x.
+  // The fp16 windows and the dense path, over n rows x[j * d .. j * d + d) in fp32:
+  // dst[i] = src[i] as fp32; s[j] = q . row j; acc += sum_j w[j] * row j.
   void (*load_f16)(const uint16_t* src, int64_t n, float* dst);
-  float (*dot)(const float* a, const float* b, int64_t n);
-  void (*axpy)(float* acc, float w, const float* x, int64_t n);
+  void (*dots)(const float* q, const float* x, int n, int64_t d, float* s);
+  void (*axpys)(float* acc, const float* w, const float* x, int n, int64_t d);
   // Query set-up done once per call rather than per block: writes kPreparedBytes per head
   // (32-byte aligned) that every scores() call of the call reads.
   void (*prepare)(const BodyView& body, const float* q, int heads, void* prepared);
@@ -56,8 +57,8 @@ void no_prepare(const BodyView& body, const float* q, int heads, void* prepared)
 float scalar_scale_max(float* s, int n, float scaling);
 float scalar_exp_sum(float* s, int n, float m);
 void scalar_load_f16(const uint16_t* src, int64_t n, float* dst);
-float scalar_dot(const float* a, const float* b, int64_t n);
-void scalar_axpy(float* acc, float w, const float* x, int64_t n);
+void scalar_dots(const float* q, const float* x, int n, int64_t d, float* s);
+void scalar_axpys(float* acc, const float* w, const float* x, int n, int64_t d);
 
 extern const BodyKernels kScalarKernels;
 #if defined(OSCAR_HAVE_AVX2)

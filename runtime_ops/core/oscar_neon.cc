@@ -246,6 +246,6 @@ void neon_values(const BodyView& b, int64_t row0, int n, const float* p, int hea
 #define OSCAR_NEON_NAME "neon"
 #endif
 const BodyKernels OSCAR_NEON_KERNELS = {neon_scores,     neon_values, scalar_scale_max, scalar_exp_sum, scalar_load_f16,
-                                        scalar_dot,      scalar_axpy, neon_prepare,     OSCAR_NEON_NAME};
+                                        scalar_dots,     scalar_axpys, neon_prepare,    OSCAR_NEON_NAME};
 
 }  // namespace oscar
