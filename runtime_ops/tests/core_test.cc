@@ -205,6 +205,45 @@ void test_bad_input() {
          "head_dim");
 }
 
+// The integer score path at its bound (oscar_kernels.h, SplitQuery): a query of equal elements gives
+// every channel the top digit, and rows whose codes are all the top code but one make the int32 sums
+// as large as a group can. Half the rows are like that, half the opposite, so a sum that wrapped
+// would move the softmax to the wrong rows. Fused kernels against the dense path, 1e-4 relative.
+void test_extreme_scores() {
+  const int64_t D = 128, C = 40;
+  for (int bits : {2, 4})
+    for (int cd : {32, 64, 128})
+      for (float sign : {1.0f, -1.0f}) {
+        AttentionConfig cfg;
+        cfg.k_bits = bits, cfg.v_bits = 2, cfg.cluster_dim = cd, cfg.sink = 0, cfg.recent = 0;
+        cfg.scaling = 1.0f / std::sqrt(float(D));
+        std::vector<uint16_t> k(C * D), v(C * D);
+        for (int64_t t = 0; t < C; ++t)
+          for (int64_t i = 0; i < D; ++i) {
+            const bool first = i % cd == 0, high = t % 2 == 0;
+            k[t * D + i] = f32_to_f16(first == high ? 0.0f : 1.0f);  // high rows: codes all top but one
+            v[t * D + i] = f32_to_f16(high ? 1.0f + float(i % 7) : -1.0f - float(i % 5));
+          }
+        std::vector<float> q_prefill((C - 1) * D, 0.0f), out((C - 1) * D), q(D, sign), want(D);
+        Cache base(cfg, 1, 1, D, C, uniform(bits), uniform(2));
+        EXPECT(base.run(q_prefill.data(), k.data(), v.data(), C - 1, 0, out.data()).ok(), "extreme prefill");
+        Cache dense = base;
+        dense.cfg.kernel = Kernel::kDense;
+        EXPECT(dense.run(q.data(), k.data() + (C - 1) * D, v.data() + (C - 1) * D, 1, C - 1, want.data()).ok(),
+               "extreme dense decode");
+        for (Kernel kernel : {Kernel::kScalar, Kernel::kAuto}) {
+          Cache c = base;
+          c.cfg.kernel = kernel;
+          std::vector<float> got(D);
+          EXPECT(c.run(q.data(), k.data() + (C - 1) * D, v.data() + (C - 1) * D, 1, C - 1, got.data()).ok(),
+                 "extreme decode");
+          const double err = rel_err(got, want);
+          EXPECT(err <= 1e-4, "extreme scores: %d-bit, cluster_dim %d, query %+g, kernel %s: relative error %g", bits,
+                 cd, double(sign), kKernelNames[int(kernel)], err);
+        }
+      }
+}
+
 // Random decode states: every fused kernel against the dense path, 1e-4 relative; same cache after.
 void test_random(int count) {
   std::mt19937 rng(1234);
@@ -434,6 +473,7 @@ int main(int argc, char** argv) {
   test_fp16();
   test_packing_examples();
   test_bad_input();
+  test_extreme_scores();
   test_random(random);
   test_slices();
   for (const std::string& dir : cases) test_golden(dir);
