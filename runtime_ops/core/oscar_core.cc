@@ -262,6 +262,7 @@ struct Layer {
     }
   }
 
+  // Body row `row` of KV head h, dequantized to fp32 (the dense path's view of the packed body).
   void body_row(const Kind& k, int64_t h, int64_t row, float* dst) const {
     const BodyView b = body(k, h);
     const int cd = b.cluster_dim;
