@@ -810,8 +810,6 @@ void scalar_values(const BodyView& b, int64_t row0, int n, const float* p, int h
     }
 }
 
-}  // namespace
-
 float scalar_scale_max(float* s, int n, float scaling) {
   float block_max = -std::numeric_limits<float>::infinity();
   for (int j = 0; j < n; ++j) {
@@ -841,6 +839,8 @@ void scalar_dots(const float* q, const float* x, int n, int64_t d, float* s) {
 void scalar_axpys(float* acc, const float* w, const float* x, int n, int64_t d) {
   for (int j = 0; j < n; ++j) axpy(acc, w[j], x + j * d, d);
 }
+
+}  // namespace
 
 void no_prepare(const BodyView&, const float*, int, void*) {}
 

@@ -53,13 +53,6 @@ struct BodyKernels {
 // No per-call query set-up (the scalar kernels and the non-planar SIMD paths).
 void no_prepare(const BodyView& body, const float* q, int heads, void* prepared);
 
-// The portable pieces, shared by the scalar and NEON kernel sets.
-float scalar_scale_max(float* s, int n, float scaling);
-float scalar_exp_sum(float* s, int n, float m);
-void scalar_load_f16(const uint16_t* src, int64_t n, float* dst);
-void scalar_dots(const float* q, const float* x, int n, int64_t d, float* s);
-void scalar_axpys(float* acc, const float* w, const float* x, int n, int64_t d);
-
 extern const BodyKernels kScalarKernels;
 #if defined(OSCAR_HAVE_AVX2)
 extern const BodyKernels kAvx2Kernels;  // oscar_avx2.cc, built with -mavx2 -mfma -mf16c

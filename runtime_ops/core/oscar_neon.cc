@@ -166,38 +166,84 @@ void planar_scores(const BodyView& b, int64_t row0, int n, const float* qsum, in
   }
 }
 
-// Channel-major over plane positions, as in oscar_avx2.cc; weights from body_value_weights.
-template <int BITS, int NH>
-void planar_values_heads(const BodyView& b, const uint8_t* codes, int n, int heads, int h0, float* acc,
-                         const float* weights) {
+// out[g * stride + j] = v[j * G + g] as fp32, rows j < n: a block's fp16 scales (or zeros)
+// regrouped so each group's rows are contiguous.
+inline void rows_by_group(const uint16_t* v, int n, int G, float* out, int stride) {
+  for (int j = 0; j < n; ++j)
+    for (int g = 0; g < G; ++g) out[g * stride + j] = half_to_float(v[j * G + g]);
+}
+
+// weights[(h * groups + g) * n + j] = p[h * n + j] * scale of (row0 + j, g), and acc gets the
+// zero terms sum_j p[h * n + j] * zero of (row0 + j, g) on every channel of group g.
+void planar_weights(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* weights) {
   const int D = b.head_dim, cd = b.cluster_dim, G = b.groups;
-  for (int p0 = 0; p0 < D; p0 += 8) {
-    const int g = p0 / cd;
-    float32x4_t a0[NH], a1[NH];
-    for (int k = 0; k < NH; ++k) a0[k] = a1[k] = vdupq_n_f32(0.0f);
-    for (int j = 0; j < n; ++j) {
-      const uint16x8_t c = vmovl_u8(vld1_u8(codes + j * D + p0));
-      const float32x4_t lo = vcvtq_f32_u32(vmovl_u16(vget_low_u16(c))), hi = vcvtq_f32_u32(vmovl_high_u16(c));
-      const float* wj = weights + (int64_t(j) * heads + h0) * G + g;
-      for (int k = 0; k < NH; ++k) {
-        a0[k] = vfmaq_n_f32(a0[k], lo, wj[k * G]);
-        a1[k] = vfmaq_n_f32(a1[k], hi, wj[k * G]);
+  alignas(16) float scale[kPlanarMaxDim / 32][kPlanarRows], zero[kPlanarMaxDim / 32][kPlanarRows];
+  rows_by_group(b.scale + row0 * G, n, G, scale[0], kPlanarRows);
+  rows_by_group(b.zero + row0 * G, n, G, zero[0], kPlanarRows);
+  for (int h = 0; h < heads; ++h)
+    for (int g = 0; g < G; ++g) {
+      float* w = weights + int64_t(h * G + g) * n;
+      const float* ph = p + h * n;
+      float32x4_t zsum = vdupq_n_f32(0.0f);
+      int j = 0;
+      for (; j + 4 <= n; j += 4) {
+        const float32x4_t pv = vld1q_f32(ph + j);
+        vst1q_f32(w + j, vmulq_f32(pv, vld1q_f32(scale[g] + j)));
+        zsum = vfmaq_f32(zsum, pv, vld1q_f32(zero[g] + j));
+      }
+      float z = vaddvq_f32(zsum);
+      for (; j < n; ++j) {
+        w[j] = ph[j] * scale[g][j];
+        z += ph[j] * zero[g][j];
+      }
+      const float32x4_t zv = vdupq_n_f32(z);
+      for (int i = 0; i < cd; i += 4) {
+        float* dst = acc + h * D + g * cd + i;
+        vst1q_f32(dst, vaddq_f32(vld1q_f32(dst), zv));
       }
     }
+}
+
+// Channel-major over plane positions, as in oscar_avx2.cc: 16 positions x NH heads of
+// accumulators (16 of the 32 vector registers at NH = 4) stay in registers across the block's
+// rows, so each weight feeds four FMAs; then they land on their channels. weights as
+// planar_weights writes them; cluster_dim >= 32, so 16 positions never straddle a group.
+template <int BITS, int NH>
+void planar_values_heads(const BodyView& b, const uint8_t* codes, int n, int h0, float* acc, const float* weights) {
+  const int D = b.head_dim, cd = b.cluster_dim, G = b.groups;
+  const int64_t head_stride = int64_t(G) * n;
+  for (int p0 = 0; p0 < D; p0 += 16) {
+    const float* w = weights + int64_t(h0 * G + p0 / cd) * n;  // head h0 + k: w + k * head_stride
+    float32x4_t a[NH][4];
+#pragma GCC unroll 4
+    for (int k = 0; k < NH; ++k) a[k][0] = a[k][1] = a[k][2] = a[k][3] = vdupq_n_f32(0.0f);
+    for (int j = 0; j < n; ++j) {
+      const uint8x16_t c = vld1q_u8(codes + j * D + p0);
+      const uint16x8_t lo = vmovl_u8(vget_low_u8(c)), hi = vmovl_high_u8(c);
+      const float32x4_t c0 = vcvtq_f32_u32(vmovl_u16(vget_low_u16(lo))), c1 = vcvtq_f32_u32(vmovl_high_u16(lo));
+      const float32x4_t c2 = vcvtq_f32_u32(vmovl_u16(vget_low_u16(hi))), c3 = vcvtq_f32_u32(vmovl_high_u16(hi));
+#pragma GCC unroll 4
+      for (int k = 0; k < NH; ++k) {
+        const float wk = w[k * head_stride + j];
+        a[k][0] = vfmaq_n_f32(a[k][0], c0, wk);
+        a[k][1] = vfmaq_n_f32(a[k][1], c1, wk);
+        a[k][2] = vfmaq_n_f32(a[k][2], c2, wk);
+        a[k][3] = vfmaq_n_f32(a[k][3], c3, wk);
+      }
+    }
+#pragma GCC unroll 4
     for (int k = 0; k < NH; ++k) {
-      float t[8];
-      vst1q_f32(t, a0[k]);
-      vst1q_f32(t + 4, a1[k]);
+      float t[16];
+      for (int i = 0; i < 4; ++i) vst1q_f32(t + 4 * i, a[k][i]);
       float* dst = acc + (h0 + k) * D;
-      for (int l = 0; l < 8; ++l) dst[plane_channel(p0 + l, BITS, cd)] += t[l];
+      for (int l = 0; l < 16; ++l) dst[plane_channel(p0 + l, BITS, cd)] += t[l];
     }
   }
 }
 
 template <int BITS>
-void planar_values(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch) {
+void planar_values(const BodyView& b, int64_t row0, int n, int heads, float* acc, const float* weights) {
   const int D = b.head_dim, cd = b.cluster_dim, group_bytes = cd * BITS / 8, code_bytes = D * BITS / 8;
-  body_value_weights(b, row0, n, p, heads, acc, scratch);
   alignas(16) uint8_t codes[kPlanarRows * kPlanarMaxDim];
   for (int j = 0; j < n; ++j)
     for (int g = 0; g < D / cd; ++g) {
@@ -207,10 +253,10 @@ void planar_values(const BodyView& b, int64_t row0, int n, const float* p, int h
     }
   for (int h0 = 0; h0 < heads; h0 += 4) {
     switch (min_int(4, heads - h0)) {
-      case 1: planar_values_heads<BITS, 1>(b, codes, n, heads, h0, acc, scratch); break;
-      case 2: planar_values_heads<BITS, 2>(b, codes, n, heads, h0, acc, scratch); break;
-      case 3: planar_values_heads<BITS, 3>(b, codes, n, heads, h0, acc, scratch); break;
-      default: planar_values_heads<BITS, 4>(b, codes, n, heads, h0, acc, scratch); break;
+      case 1: planar_values_heads<BITS, 1>(b, codes, n, h0, acc, weights); break;
+      case 2: planar_values_heads<BITS, 2>(b, codes, n, h0, acc, weights); break;
+      case 3: planar_values_heads<BITS, 3>(b, codes, n, h0, acc, weights); break;
+      default: planar_values_heads<BITS, 4>(b, codes, n, h0, acc, weights); break;
     }
   }
 }
@@ -231,8 +277,125 @@ void neon_scores(const BodyView& b, int64_t row0, int n, const float* q, const f
 
 void neon_values(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch) {
   if (n > kPlanarRows || !planar(b)) return fused_values<Neon>(b, row0, n, p, heads, acc, scratch);
-  if (b.bits == 2) return planar_values<2>(b, row0, n, p, heads, acc, scratch);
-  planar_values<4>(b, row0, n, p, heads, acc, scratch);
+  planar_weights(b, row0, n, p, heads, acc, scratch);
+  if (b.bits == 2) return planar_values<2>(b, row0, n, heads, acc, scratch);
+  planar_values<4>(b, row0, n, heads, acc, scratch);
+}
+
+// ---- softmax pieces ------------------------------------------------------------------------
+
+// exp(x) = 2^n e^r, the same reduction and degree-6 polynomial as oscar_avx2.cc's exp8 (relative
+// error about 2e-7); inputs clamped to [-87, 88], where the softmax's x <= 0 loses nothing.
+inline float32x4_t exp4(float32x4_t x) {
+  x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-87.0f)), vdupq_n_f32(88.0f));
+  const float32x4_t n = vrndnq_f32(vmulq_n_f32(x, 1.44269504088896341f));
+  float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693359375f));  // ln 2 in two parts: r is exact
+  r = vfmsq_f32(r, n, vdupq_n_f32(-2.12194440e-4f));
+  float32x4_t p = vdupq_n_f32(1.9875691500e-4f);
+  p = vfmaq_f32(vdupq_n_f32(1.3981999507e-3f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(8.3334519073e-3f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(4.1665795894e-2f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.6666665459e-1f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(5.0000001201e-1f), p, r);
+  const float32x4_t y = vaddq_f32(vfmaq_f32(r, vmulq_f32(p, r), r), vdupq_n_f32(1.0f));
+  const int32x4_t pow2n = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+  return vmulq_f32(y, vreinterpretq_f32_s32(pow2n));
+}
+
+float neon_scale_max(float* s, int n, float scaling) {
+  float32x4_t m = vdupq_n_f32(-__builtin_inff());
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float32x4_t x = vmulq_n_f32(vld1q_f32(s + j), scaling);
+    vst1q_f32(s + j, x);
+    m = vmaxq_f32(m, x);
+  }
+  float block_max = vmaxvq_f32(m);
+  for (; j < n; ++j) {
+    s[j] *= scaling;
+    block_max = s[j] > block_max ? s[j] : block_max;
+  }
+  return block_max;
+}
+
+float neon_exp_sum(float* s, int n, float m) {
+  const float32x4_t shift = vdupq_n_f32(m);
+  float32x4_t sum = vdupq_n_f32(0.0f);
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float32x4_t e = exp4(vsubq_f32(vld1q_f32(s + j), shift));
+    vst1q_f32(s + j, e);
+    sum = vaddq_f32(sum, e);
+  }
+  float total = vaddvq_f32(sum);
+  if (j < n) {  // the last 1..3 weights, through the same exp
+    float t[4] = {};
+    for (int i = j; i < n; ++i) t[i - j] = s[i] - m;
+    vst1q_f32(t, exp4(vld1q_f32(t)));
+    for (int i = j; i < n; ++i) total += s[i] = t[i - j];
+  }
+  return total;
+}
+
+// ---- fp16 windows ---------------------------------------------------------------------------
+
+void neon_load_f16(const uint16_t* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(src + i));
+    vst1q_f32(dst + i, vcvt_f32_f16(vget_low_f16(h)));
+    vst1q_f32(dst + i + 4, vcvt_high_f32_f16(h));
+  }
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+// Four rows at a time, so each load of the query feeds four FMA chains.
+void neon_dots(const float* q, const float* x, int n, int64_t d, float* s) {
+  int j = 0;
+  for (; j + 4 <= n; j += 4) {
+    const float* r = x + j * d;
+    float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0;
+    int64_t i = 0;
+    for (; i + 4 <= d; i += 4) {
+      const float32x4_t qv = vld1q_f32(q + i);
+      a0 = vfmaq_f32(a0, qv, vld1q_f32(r + i));
+      a1 = vfmaq_f32(a1, qv, vld1q_f32(r + d + i));
+      a2 = vfmaq_f32(a2, qv, vld1q_f32(r + 2 * d + i));
+      a3 = vfmaq_f32(a3, qv, vld1q_f32(r + 3 * d + i));
+    }
+    float t[4] = {vaddvq_f32(a0), vaddvq_f32(a1), vaddvq_f32(a2), vaddvq_f32(a3)};
+    for (; i < d; ++i)
+      for (int k = 0; k < 4; ++k) t[k] += q[i] * r[k * d + i];
+    for (int k = 0; k < 4; ++k) s[j + k] = t[k];
+  }
+  for (; j < n; ++j) {
+    const float* r = x + j * d;
+    float32x4_t a0 = vdupq_n_f32(0.0f);
+    int64_t i = 0;
+    for (; i + 4 <= d; i += 4) a0 = vfmaq_f32(a0, vld1q_f32(q + i), vld1q_f32(r + i));
+    float t = vaddvq_f32(a0);
+    for (; i < d; ++i) t += q[i] * r[i];
+    s[j] = t;
+  }
+}
+
+// 32 accumulator lanes stay in registers across all n rows, then the next 32.
+void neon_axpys(float* acc, const float* w, const float* x, int n, int64_t d) {
+  int64_t i = 0;
+  for (; i + 32 <= d; i += 32) {
+    float32x4_t a[8];
+    for (int k = 0; k < 8; ++k) a[k] = vld1q_f32(acc + i + 4 * k);
+    for (int j = 0; j < n; ++j) {
+      const float* r = x + j * d + i;
+      for (int k = 0; k < 8; ++k) a[k] = vfmaq_n_f32(a[k], vld1q_f32(r + 4 * k), w[j]);
+    }
+    for (int k = 0; k < 8; ++k) vst1q_f32(acc + i + 4 * k, a[k]);
+  }
+  for (; i < d; ++i) {
+    float t = acc[i];
+    for (int j = 0; j < n; ++j) t += w[j] * x[j * d + i];
+    acc[i] = t;
+  }
 }
 
 }  // namespace
@@ -245,7 +408,7 @@ void neon_values(const BodyView& b, int64_t row0, int n, const float* p, int hea
 #else
 #define OSCAR_NEON_NAME "neon"
 #endif
-const BodyKernels OSCAR_NEON_KERNELS = {neon_scores,     neon_values, scalar_scale_max, scalar_exp_sum, scalar_load_f16,
-                                        scalar_dots,     scalar_axpys, neon_prepare,    OSCAR_NEON_NAME};
+const BodyKernels OSCAR_NEON_KERNELS = {neon_scores,   neon_values, neon_scale_max, neon_exp_sum, neon_load_f16,
+                                        neon_dots,     neon_axpys,  neon_prepare,   OSCAR_NEON_NAME};
 
 }  // namespace oscar
