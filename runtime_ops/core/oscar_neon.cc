@@ -106,71 +106,160 @@ struct Neon {
 
 // ---- planar path (oscar_kernels.h): uniform 2- and 4-bit codes --------------------------------
 
-// One group's codes (cd / (8 / BITS) bytes at src) in plane order, as cd / 16 byte vectors.
-template <int BITS>
-inline void expand_group(const uint8_t* src, int cd, uint8x16_t* out) {
-  constexpr int cpb = 8 / BITS;
+// One group's codes (CD / (8 / BITS) bytes at src) in plane order, as CD / 16 byte vectors.
+template <int BITS, int CD>
+inline void expand_group(const uint8_t* src, uint8x16_t* out) {
+  constexpr int cpb = 8 / BITS, seg = CD / cpb, pieces = seg / 16;
   const uint8x16_t mask = vdupq_n_u8((1 << BITS) - 1);
-  const int seg = cd / cpb;
-  if (seg == 8) {  // 2-bit codes in groups of 32: four 8-byte planes
+  if constexpr (seg == 8) {  // 2-bit codes in groups of 32: four 8-byte planes
     const uint8x8_t x = vld1_u8(src), m = vget_low_u8(mask);
     out[0] = vcombine_u8(vand_u8(x, m), vand_u8(vshr_n_u8(x, 2), m));
     out[1] = vcombine_u8(vand_u8(vshr_n_u8(x, 4), m), vshr_n_u8(x, 6));
-    return;
-  }
-  const int pieces = seg / 16;
-  for (int i = 0; i < pieces; ++i) {
-    const uint8x16_t x = vld1q_u8(src + 16 * i);
-    for (int k = 0; k < cpb; ++k)  // a negative count shifts right
-      out[k * pieces + i] = vandq_u8(vshlq_u8(x, vdupq_n_s8(int8_t(-BITS * k))), mask);
+  } else {
+#pragma GCC unroll 8
+    for (int i = 0; i < pieces; ++i) {
+      const uint8x16_t x = vld1q_u8(src + 16 * i);
+#pragma GCC unroll 4
+      for (int k = 0; k < cpb; ++k)  // a negative count shifts right
+        out[k * pieces + i] = vandq_u8(vshlq_u8(x, vdupq_n_s8(int8_t(-BITS * k))), mask);
+    }
   }
 }
 
-// Dot of one row's expanded group with the int8 query terms: u8 codes (< 16) read as s8.
-// With the dot-product extension one sdot takes 16 byte products into four int32 lanes; without
-// it, vmull_s8 and vpadalq_s16 take two instructions per 8. Same integer sums either way. The
-// terms' sums are added as base-181 digits in int32 (exact: SplitQuery bounds them), then
-// reduced and scaled once.
-inline float group_dot(const uint8x16_t* c, int vectors, const SplitQuery& sq, int g, int cd) {
-  int32x4_t total = vdupq_n_s32(0);
-  for (int i = 0; i < kTerms; ++i) {
-    const int8_t* t = sq.t[i] + g * cd;
-    int32x4_t acc = vdupq_n_s32(0);
-    for (int o = 0; o < vectors; ++o) {
-      const int8x16_t x = vreinterpretq_s8_u8(c[o]), y = vld1q_s8(t + 16 * o);
-#if defined(__ARM_FEATURE_DOTPROD)
-      acc = vdotq_s32(acc, x, y);
-#else
-      acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(x), vget_low_s8(y)));
-      acc = vpadalq_s16(acc, vmull_high_s8(x, y));
-#endif
+// Codes of rows row0 .. row0+n-1 -> out[j * head_dim + plane position], one byte per code.
+template <int BITS, int CD>
+void spread(const BodyView& b, int64_t row0, int n, uint8_t* out) {
+  constexpr int kVectors = CD / 16, kGroupBytes = CD * BITS / 8;
+  const int D = b.head_dim, code_bytes = D * BITS / 8;
+  const uint8_t* src = b.codes + row0 * code_bytes;
+  for (int j = 0; j < n; ++j, src += code_bytes, out += D)
+    for (int g = 0; g < D / CD; ++g) {
+      uint8x16_t c[kVectors];
+      expand_group<BITS, CD>(src + g * kGroupBytes, c);
+#pragma GCC unroll 8
+      for (int i = 0; i < kVectors; ++i) vst1q_u8(out + g * CD + 16 * i, c[i]);
     }
-    total = vmlaq_n_s32(acc, total, kDigit);  // Horner: (d0 * 181 + d1) * 181 + d2
+}
+
+// out[g * stride + j] = v[j * G + g] as fp32, rows j < n, zero up to the next multiple of 4: a
+// block's fp16 scales (or zeros) regrouped so each group's rows are contiguous.
+inline void rows_by_group(const uint16_t* v, int n, int G, float* out, int stride) {
+  for (int g = 0; g < G; ++g) {
+    for (int j = 0; j < n; ++j) out[g * stride + j] = half_to_float(v[j * G + g]);
+    for (int j = n; j % 4; ++j) out[g * stride + j] = 0.0f;
   }
-  return float(vaddvq_s32(total)) * sq.unit[g];
+}
+
+// Scores of NH query heads, R rows at a time: the rows' expanded codes stay in registers while
+// every head's terms pass over them (each term vector loaded once for R rows). Codes (u8, < 16)
+// meet the int8 terms as s8: with the dot-product extension one sdot takes 16 byte products into
+// four int32 lanes; without it, vmlal_s8 accumulates them in int16 lanes (2 * CD / 16 products
+// of at most 15 * 127 each: below 2^15) and one vpaddlq widens. The terms' sums are added as
+// base-181 digits in int32 (exact: SplitQuery bounds them); pairwise adds then put the R rows'
+// sums in the lanes of one vector, scaled once per group.
+template <int BITS, int CD, int NH>
+void planar_scores_heads(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, const float* qsum, int h0,
+                         float* scores) {
+  constexpr int kVectors = CD / 16, R = CD == 128 ? 2 : 4, kGroupBytes = CD * BITS / 8;
+  const int G = b.groups, code_bytes = b.head_dim * BITS / 8;
+  const uint8_t* codes = b.codes + row0 * code_bytes;
+  alignas(16) float scale[kPlanarMaxDim / 32][kPlanarRows], zero[kPlanarMaxDim / 32][kPlanarRows];
+  rows_by_group(b.scale + row0 * G, n, G, scale[0], kPlanarRows);
+  rows_by_group(b.zero + row0 * G, n, G, zero[0], kPlanarRows);
+  for (int j0 = 0; j0 < n; j0 += R) {
+    const int rows = min_int(R, n - j0);
+    float32x4_t total[NH];
+#pragma GCC unroll 8
+    for (int k = 0; k < NH; ++k) total[k] = vdupq_n_f32(0.0f);
+    for (int g = 0; g < G; ++g) {
+      uint8x16_t c[R][8];
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        if (r < rows) {
+          expand_group<BITS, CD>(codes + (j0 + r) * code_bytes + g * kGroupBytes, c[r]);
+        } else {
+#pragma GCC unroll 8
+          for (int o = 0; o < kVectors; ++o) c[r][o] = vdupq_n_u8(0);
+        }
+      }
+      const float32x4_t s = vld1q_f32(scale[g] + j0), z = vld1q_f32(zero[g] + j0);
+      for (int k = 0; k < NH; ++k) {
+        int32x4_t sum[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) sum[r] = vdupq_n_s32(0);
+#pragma GCC unroll 8
+        for (int i = 0; i < kTerms; ++i) {
+          const int8_t* t = sq[k].t[i] + g * CD;
+          int32x4_t d[R];
+#if defined(__ARM_FEATURE_DOTPROD)
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) d[r] = vdupq_n_s32(0);
+#pragma GCC unroll 8
+          for (int o = 0; o < kVectors; ++o) {
+            const int8x16_t y = vld1q_s8(t + 16 * o);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) d[r] = vdotq_s32(d[r], vreinterpretq_s8_u8(c[r][o]), y);
+          }
+#else
+          int16x8_t e[R];
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) e[r] = vdupq_n_s16(0);
+#pragma GCC unroll 8
+          for (int o = 0; o < kVectors; ++o) {
+            const int8x16_t y = vld1q_s8(t + 16 * o);
+#pragma GCC unroll 8
+            for (int r = 0; r < R; ++r) {
+              const int8x16_t x = vreinterpretq_s8_u8(c[r][o]);
+              e[r] = vmlal_high_s8(vmlal_s8(e[r], vget_low_s8(x), vget_low_s8(y)), x, y);
+            }
+          }
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) d[r] = vpaddlq_s16(e[r]);
+#endif
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) sum[r] = vmlaq_n_s32(d[r], sum[r], kDigit);  // Horner: (t0 * 181 + t1) * 181 + t2
+        }
+        int32x4_t dot;  // lane r: row j0 + r
+        if constexpr (R == 4) {
+          dot = vpaddq_s32(vpaddq_s32(sum[0], sum[1]), vpaddq_s32(sum[2], sum[3]));
+        } else {
+          const int32x4_t pair = vpaddq_s32(sum[0], sum[1]);
+          dot = vpaddq_s32(pair, pair);
+        }
+        const float32x4_t dotf = vmulq_n_f32(vcvtq_f32_s32(dot), sq[k].unit[g]);
+        total[k] = vfmaq_f32(vfmaq_n_f32(total[k], z, qsum[(h0 + k) * G + g]), s, dotf);
+      }
+    }
+#pragma GCC unroll 8
+    for (int k = 0; k < NH; ++k) {
+      float t[4];
+      vst1q_f32(t, total[k]);
+      for (int r = 0; r < rows; ++r) scores[(h0 + k) * n + j0 + r] = t[r];
+    }
+  }
+}
+
+template <int BITS, int CD>
+void planar_scores_cd(const BodyView& b, int64_t row0, int n, const float* qsum, int heads, float* scores,
+                      const SplitQuery* sq) {
+  for (int h0 = 0; h0 < heads; h0 += 4) {
+    switch (min_int(4, heads - h0)) {
+      case 1: planar_scores_heads<BITS, CD, 1>(b, row0, n, sq + h0, qsum, h0, scores); break;
+      case 2: planar_scores_heads<BITS, CD, 2>(b, row0, n, sq + h0, qsum, h0, scores); break;
+      case 3: planar_scores_heads<BITS, CD, 3>(b, row0, n, sq + h0, qsum, h0, scores); break;
+      default: planar_scores_heads<BITS, CD, 4>(b, row0, n, sq + h0, qsum, h0, scores); break;
+    }
+  }
 }
 
 template <int BITS>
 void planar_scores(const BodyView& b, int64_t row0, int n, const float* qsum, int heads, float* scores,
                    const SplitQuery* sq) {
-  const int D = b.head_dim, cd = b.cluster_dim, G = b.groups, group_bytes = cd * BITS / 8, code_bytes = D * BITS / 8;
-  for (int j = 0; j < n; ++j) {
-    const int64_t row = row0 + j;
-    for (int h = 0; h < heads; ++h) scores[h * n + j] = 0.0f;
-    for (int g = 0; g < G; ++g) {
-      uint8x16_t c[8];
-      expand_group<BITS>(b.codes + row * code_bytes + g * group_bytes, cd, c);
-      const float s = half_to_float(b.scale[row * G + g]), z = half_to_float(b.zero[row * G + g]);
-      for (int h = 0; h < heads; ++h) scores[h * n + j] += s * group_dot(c, cd / 16, sq[h], g, cd) + z * qsum[h * G + g];
-    }
+  switch (b.cluster_dim) {  // 32, 64 or 128 (validated)
+    case 32: return planar_scores_cd<BITS, 32>(b, row0, n, qsum, heads, scores, sq);
+    case 64: return planar_scores_cd<BITS, 64>(b, row0, n, qsum, heads, scores, sq);
+    default: return planar_scores_cd<BITS, 128>(b, row0, n, qsum, heads, scores, sq);
   }
-}
-
-// out[g * stride + j] = v[j * G + g] as fp32, rows j < n: a block's fp16 scales (or zeros)
-// regrouped so each group's rows are contiguous.
-inline void rows_by_group(const uint16_t* v, int n, int G, float* out, int stride) {
-  for (int j = 0; j < n; ++j)
-    for (int g = 0; g < G; ++g) out[g * stride + j] = half_to_float(v[j * G + g]);
 }
 
 // weights[(h * groups + g) * n + j] = p[h * n + j] * scale of (row0 + j, g), and acc gets the
@@ -243,14 +332,12 @@ void planar_values_heads(const BodyView& b, const uint8_t* codes, int n, int h0,
 
 template <int BITS>
 void planar_values(const BodyView& b, int64_t row0, int n, int heads, float* acc, const float* weights) {
-  const int D = b.head_dim, cd = b.cluster_dim, group_bytes = cd * BITS / 8, code_bytes = D * BITS / 8;
   alignas(16) uint8_t codes[kPlanarRows * kPlanarMaxDim];
-  for (int j = 0; j < n; ++j)
-    for (int g = 0; g < D / cd; ++g) {
-      uint8x16_t c[8];
-      expand_group<BITS>(b.codes + (row0 + j) * code_bytes + g * group_bytes, cd, c);
-      for (int i = 0; i < cd / 16; ++i) vst1q_u8(codes + j * D + g * cd + 16 * i, c[i]);
-    }
+  switch (b.cluster_dim) {  // 32, 64 or 128 (validated)
+    case 32: spread<BITS, 32>(b, row0, n, codes); break;
+    case 64: spread<BITS, 64>(b, row0, n, codes); break;
+    default: spread<BITS, 128>(b, row0, n, codes); break;
+  }
   for (int h0 = 0; h0 < heads; h0 += 4) {
     switch (min_int(4, heads - h0)) {
       case 1: planar_values_heads<BITS, 1>(b, codes, n, h0, acc, weights); break;
