@@ -42,10 +42,15 @@ def test_candidates_are_every_format_within_the_budget_with_the_largest_windows(
                 assert c.bits == pytest.approx(stored_bits(k, v, cd, *fitting[0], head_dim, context))
 
 
-def test_a_budget_nothing_fits_names_the_cheapest():
-    cheapest = stored_bits(2, 2, 128, *WINDOWS[-1], 128, 8192)  # 2-bit, largest group, smallest windows
-    with pytest.raises(OscarInputError, match=rf"--budget-bits 2: no cache format fits .* at least {cheapest:.3f} "):
-        candidates(2.0, 8192, 128)
+# head_dim 64 (SmolLM2) has no groups of 128, so even 2.4 bits at 32K is out of its reach.
+@pytest.mark.parametrize("head_dim, group, budget", [(128, 128, 2.0), (64, 64, 2.4)])
+def test_a_budget_nothing_fits_names_the_cheapest(head_dim, group, budget):
+    sink, recent = WINDOWS[-1]
+    cheapest = stored_bits(2, 2, group, sink, recent, head_dim, 32768)  # 2-bit, largest group, smallest windows
+    with pytest.raises(OscarInputError, match=rf"--budget-bits {budget:g}: no cache format fits .* at least "
+                       rf"{cheapest:.3f} bits per element \(K2/V2, group {group}, sink {sink}, recent {recent}; a "
+                       rf"group is at most head_dim={head_dim} elements\)"):
+        candidates(budget, 32768, head_dim)
 
 
 @pytest.fixture(scope="module")
