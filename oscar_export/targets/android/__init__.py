@@ -81,6 +81,11 @@ def quantize_weights(module: nn.Module, group_size: int, linears: list[nn.Linear
         quantize_(module, Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4,
                                                                weight_granularity=PerGroup(group_size)),
                   filter_fn=lambda m, fqn: any(m is c for c in chosen))
+        # XNNPACK stores a group-wise weight's scales in bf16 (ExecuTorch's lowering casts them): round them
+        # here, so the program and the eager reference hold the same weights (the cast is then exact).
+        with torch.no_grad():
+            for m in chosen:
+                m.weight.scale.copy_(m.weight.scale.to(torch.bfloat16).float())
     return len(chosen)
 
 
@@ -299,8 +304,9 @@ class AndroidTarget(Target):
 
     def parity_limits(self, manifest):
         # With 4-bit weights the activations are quantized to 8 bits on the fly, by XNNPACK in the program and by
-        # torchao's eager kernels in the reference, with their own rounding: the K/V entering the op differ by more
-        # than ties, so more body codes may differ (measured 1.3e-3 on the bundled model).
+        # torchao's eager kernels in the reference: float differences upstream flip some activation codes, so the
+        # K/V entering the op differ by more than ties and more body codes may differ (measured with 200 prompt
+        # tokens, sink 16: 7e-5 on the bundled model, 5.2e-4 on SmolLM2).
         return {} if manifest["weights"] == "float32" else {"codes_mismatch_fraction": 5e-3}
 
     def trace(self, directory, manifest, runtime, ids, steps, forced=None):
