@@ -150,6 +150,13 @@ inline void rows_by_group(const uint16_t* v, int n, int G, float* out, int strid
   }
 }
 
+// R rows' values from p (rows_by_group's padding covers them), in the low lanes of a vector.
+template <int R>
+inline float32x4_t row_lanes(const float* p) {
+  if constexpr (R == 4) return vld1q_f32(p);
+  return vcombine_f32(vld1_f32(p), vdup_n_f32(0.0f));
+}
+
 // Scores of NH query heads, R rows at a time: the rows' expanded codes stay in registers while
 // every head's terms pass over them (each term vector loaded once for R rows). Codes (u8, < 16)
 // meet the int8 terms as s8: with the dot-product extension one sdot takes 16 byte products into
@@ -182,7 +189,7 @@ void planar_scores_heads(const BodyView& b, int64_t row0, int n, const SplitQuer
           for (int o = 0; o < kVectors; ++o) c[r][o] = vdupq_n_u8(0);
         }
       }
-      const float32x4_t s = vld1q_f32(scale[g] + j0), z = vld1q_f32(zero[g] + j0);
+      const float32x4_t s = row_lanes<R>(scale[g] + j0), z = row_lanes<R>(zero[g] + j0);
       for (int k = 0; k < NH; ++k) {
         int32x4_t sum[R];
 #pragma GCC unroll 8
