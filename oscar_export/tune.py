@@ -52,7 +52,7 @@ class Candidate:
 
 def candidates(budget: float, context: int, head_dim: int, codebook: str = "uniform") -> list[Candidate]:
     """Every format within `budget` bits per element at `context` (the largest windows per bits and group)."""
-    found, cheapest, cheapest_config = [], math.inf, None
+    found, cheapest = [], None
     for k_bits in SUPPORTED_BITS:
         for v_bits in SUPPORTED_BITS:
             for cluster_dim in SUPPORTED_CLUSTER_DIMS:
@@ -61,17 +61,17 @@ def candidates(budget: float, context: int, head_dim: int, codebook: str = "unif
                 for sink, recent in WINDOWS:
                     config = OscarConfig(k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, sink=sink,
                                          recent=recent, codebook=codebook)
-                    bits = bits_per_element(config, head_dim, context)
-                    if bits < cheapest:
-                        cheapest, cheapest_config = bits, config
-                    if bits <= budget:
-                        found.append(Candidate(config, bits))
+                    candidate = Candidate(config, bits_per_element(config, head_dim, context))
+                    if cheapest is None or candidate.bits < cheapest.bits:
+                        cheapest = candidate
+                    if candidate.bits <= budget:
+                        found.append(candidate)
                         break
     if not found:
-        c = cheapest_config
+        c = cheapest.config
         raise OscarInputError(f"--budget-bits {budget:g}: no cache format fits at context {context}: expected at "
-                              f"least {cheapest:.3f} bits per element ({c.describe()}, group {c.cluster_dim}, sink "
-                              f"{c.sink}, recent {c.recent}; a group is at most head_dim={head_dim} elements)")
+                              f"least {cheapest.bits:.3f} bits per element ({c.describe()}, group {c.cluster_dim}, "
+                              f"sink {c.sink}, recent {c.recent}; a group is at most head_dim={head_dim} elements)")
     return found
 
 
