@@ -94,6 +94,11 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
     start = time.perf_counter()
     if model is None:
         model, tokenizer = load_model(model_name)
+    if budget is not None:  # a budget no format meets is refused before the fit, not minutes after it
+        from .hf_cache import attention_shape
+        from .tune import budget_candidates
+
+        budget_candidates(*budget, attention_shape(model)[2], lloyd_max)
     fitted = fit_rotations(model, tokenizer, text, tokens, heldout_tokens, per_head=per_head,
                            text_name=f"calibration text {str(text_path)!r}")
     chosen = None

@@ -75,6 +75,14 @@ def candidates(budget: float, context: int, head_dim: int, codebook: str = "unif
     return found
 
 
+def budget_candidates(budget: float, context: int, head_dim: int, lloyd_max: bool = False) -> list[Candidate]:
+    """The one-width formats choose() searches under `budget`, or the error that says none fits. Arithmetic only,
+    so run_calibration asks before its rotation fit rather than after it."""
+    if not budget > 0:
+        raise OscarInputError(f"--budget-bits {budget}: expected a positive number of bits per element")
+    return candidates(budget, context, head_dim, "lloyd-max" if lloyd_max else "uniform")
+
+
 def mixed_candidates(base: OscarConfig, wider_clip: float, order: list[int], layers: int, budget: float,
                      context: int, head_dim: int, shortlist: int = SHORTLIST) -> list[Candidate]:
     """`base` with K one bit wider (at `wider_clip`) in the first n of the layers `order` lists (the ones it
@@ -134,9 +142,7 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
     calibration text."""
     from .calibrate import _tokens_from_text, clip_errors, fit_quantizer
 
-    if not budget > 0:
-        raise OscarInputError(f"--budget-bits {budget}: expected a positive number of bits per element")
-    found = candidates(budget, context, fitted["head_dim"], "lloyd-max" if lloyd_max else "uniform")
+    found = budget_candidates(budget, context, fitted["head_dim"], lloyd_max)
     for c in found:
         c.quantizer = fit_quantizer(fitted, c.config, lloyd_max)
         c.config = replace(c.config, k_clip=c.quantizer["k_clip"], v_clip=c.quantizer["v_clip"])

@@ -149,3 +149,17 @@ def test_plan_uses_the_files_format(budget_file, capsys):
 def test_context_needs_a_budget(tmp_path, capsys):
     assert main(["calibrate", "--out", str(tmp_path / "r.safetensors"), "--context", "1024"]) == 2
     assert "expected --budget-bits with it" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget", [2.0, 0.0])
+def test_an_unreachable_budget_is_refused_before_the_rotation_fit(monkeypatch, budget):
+    import oscar_export.calibrate as calibrate
+
+    def no_fit(*args, **kwargs):
+        raise AssertionError("the rotations were fitted for a budget that cannot be met")
+
+    monkeypatch.setattr(calibrate, "fit_rotations", no_fit)
+    model, tokenizer = load_model("bundled")  # head_dim 64: at least 2.5 bits per element in the body
+    with pytest.raises(OscarInputError, match=f"--budget-bits {budget:g}"):
+        run_calibration("bundled", OscarConfig(), BUNDLED_MODEL_DIR / "heldout.txt", 1024, 256, model=model,
+                        tokenizer=tokenizer, budget=(budget, 1024))
