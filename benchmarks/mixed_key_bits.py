@@ -63,6 +63,7 @@ from subspace_clustering import (  # noqa: E402
     load_split,
     log,
     measure,
+    paired_difference,
 )
 
 from oscar_export.calibrate import clip_errors  # noqa: E402
@@ -75,6 +76,8 @@ from oscar_export.hf_cache import attention_shape  # noqa: E402
 from oscar_export.tune import Candidate, layer_gains  # noqa: E402
 
 SENSITIVITY_TOKENS = 2048
+# One needle sequence scores 80 tokens: a standard error near 5 points, the size of the goal's margin.
+NEEDLE_SEEDS = 4
 # name -> (rule, layers with 3-bit K, sink, recent); each mixed row costs <= 3.0 bits per element at 8K.
 ROWS = {
     "mixed-nll16/s16-r128": ("nll", 16, 16, 128),
@@ -118,6 +121,7 @@ def write_report(args, rows, gains, started, final: bool) -> None:
     base = rows["fp16"]["ppl"]
     for r in rows.values():
         r["ppl_increase"] = {c: 100 * (r["ppl"][c] / base[c] - 1) for c in CONTEXTS}
+        r["needle_vs_fp16"], r["needle_vs_fp16_se"] = paired_difference(r["needle_hits"], rows["fp16"]["needle_hits"])
     wall = round(time.perf_counter() - started, 1)
     report = {"split": args.split, "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "contexts": CONTEXTS,
               "complete": final, "rows": rows, "layer_gains": gains, "wall_s": wall}
@@ -127,18 +131,23 @@ def write_report(args, rows, gains, started, final: bool) -> None:
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     if not final:
         return
+    scored = len(rows["fp16"]["needle_hits"])
     lines = [f"SmolLM2-135M-Instruct, {args.split} split; per-KV-head rotations except oscar-2/g64 (today's "
-             f"default, per layer). One 8K window, one needle sequence; wall {wall:.0f} s "
+             f"default, per layer). One 8K window; {args.needle_seeds} needle sequence(s), {scored} scored tokens, "
+             f"each row's difference to fp16 paired on the same tokens (+- one standard error); wall {wall:.0f} s "
              f"(command in benchmarks/mixed_key_bits.py).", "",
              f"| config | bits/elem at 8K | at {args.budget_context // 1024}K | ppl 2K | ppl 4K | ppl 8K | needle 4K "
-             "| 3-bit K layers |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| vs fp16 | wider K layers (bits) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for name, r in sorted(rows.items(), key=lambda item: -item[1]["bits"]):
-        needle = "-" if r["needle"] is None else f"{r['needle']:.3f}"
-        layers = " ".join(map(str, r["k3_layers"])) if r.get("k3_layers") is not None else "-"
+        gap, se = r["needle_vs_fp16"], r["needle_vs_fp16_se"]
+        layers = "-"
+        if r.get("wider_k_layers") is not None:
+            widths = r["config"].get("k_bits_by_layer") or [r["config"]["k_bits"]] * (max(r["wider_k_layers"]) + 1)
+            layers = " ".join(f"{i}({widths[i]})" for i in r["wider_k_layers"])
         lines.append(f"| {name} | {r['bits']:.3f} | {r['bits_at_budget_context']:.3f} | "
                      + " | ".join(f"{r['ppl'][c]:.2f} ({r['ppl_increase'][c]:+.1f}%)" for c in CONTEXTS)
-                     + f" | {needle} | {layers} |")
+                     + f" | {r['needle']:.3f} | {100 * gap:+.1f} +- {100 * se:.1f} | {layers} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
@@ -152,13 +161,15 @@ def main() -> None:
                    help="also measure the format calibrate --budget-bits B --context 8192 --per-head chooses")
     p.add_argument("--budget-context", type=int, default=BITS_CONTEXT, metavar="N",
                    help=f"context the --budget is sized at (default {BITS_CONTEXT})")
+    p.add_argument("--needle-seeds", type=int, default=NEEDLE_SEEDS, metavar="N",
+                   help=f"needle sequences (each 5 x 16 scored tokens; default {NEEDLE_SEEDS})")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/eval")
     args = p.parse_args()
     unknown = sorted(set(filter(None, args.rows.split(","))) - set(ROWS))
     if unknown:
         sys.exit(f"--rows: unknown {unknown}: expected some of {list(ROWS)}")
     started = time.perf_counter()
-    model, tokenizer, calibration_text, window, case, needle_length = load_split(args.split)
+    model, tokenizer, calibration_text, window, cases, needle_length = load_split(args.split, needle_seeds=args.needle_seeds)
     shape = attention_shape(model)
     layers, kv_heads, head_dim, _ = shape
     calibration_ids = torch.tensor(tokenizer(calibration_text, verbose=False)["input_ids"][:SENSITIVITY_TOKENS])
@@ -177,21 +188,21 @@ def main() -> None:
     sizes = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
     quantizer = {"k_rotation": rotations["k"], "v_rotation": rotations["v"]}
 
-    def run(name, config, k3_layers=None, rot=rotations):
+    def run(name, config, wider_k_layers=None, rot=rotations):
         def make(n):
             return EvalOscarKVCache(config, layers, kv_heads, head_dim, n, rot["k"], rot["v"])
 
-        rows[name] = measure(model, make, config, window, case, needle_length, head_dim)
-        rows[name].update(k3_layers=k3_layers, config=config.to_dict(),
+        rows[name] = measure(model, make, config, window, cases, needle_length, head_dim)
+        rows[name].update(wider_k_layers=wider_k_layers, config=config.to_dict(),
                           bits_at_budget_context=bits_per_element(config, head_dim, args.budget_context))
         log(f"{name}: {rows[name]}")
         write_report(args, rows, gains, started, final=False)
 
     rows, gains = {}, {}
-    rows["fp16"] = measure(model, lambda n: Fp16Cache(layers, kv_heads, head_dim, n), None, window, case,
+    rows["fp16"] = measure(model, lambda n: Fp16Cache(layers, kv_heads, head_dim, n), None, window, cases,
                            needle_length, head_dim)
     rows["fp16"]["bits_at_budget_context"] = 16.0
-    rows["oscar-2/g64"] = measure(model, default.make, default.config, window, case, needle_length, head_dim)
+    rows["oscar-2/g64"] = measure(model, default.make, default.config, window, cases, needle_length, head_dim)
     rows["oscar-2/g64"]["bits_at_budget_context"] = bits_per_element(default.config, head_dim, args.budget_context)
     windows = sorted({ROWS[name][2:] for name in args.rows.split(",") if name})
     for sink, recent in windows:

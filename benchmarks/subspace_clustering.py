@@ -65,8 +65,8 @@ from oscar_export.evaluate import (  # noqa: E402
     _oscar_method,
     _text_tokens,
     chunk_bounds,
-    needle_accuracy,
     needle_cases,
+    one_pass_logits,
 )
 from oscar_export.hf_cache import attention_shape, route_attention  # noqa: E402
 from oscar_export.models import load_model  # noqa: E402
@@ -257,17 +257,37 @@ def window_nll(model, ids: torch.Tensor, cache, first: int, rows: int = 1024) ->
                                       reduction="none") for a in range(0, n - 1, rows)])
 
 
-def measure(model, make, cfg, window, case, needle_length, head_dim, clusters=1) -> dict:
+@torch.no_grad()
+def needle_hits(model, case, cache, first: int) -> str:
+    """Per scored repeat token of `case`, in depth order: "1" where greedy prediction is right, else "0"."""
+    n = case.ids.shape[0]
+    start = min(a for a, _ in case.answers.values()) - 1  # logits at p predict token p + 1
+    pred = one_pass_logits(model, case.ids, cache, CHUNK, first, keep_last=n - start).argmax(-1)
+    return "".join("".join("1" if hit else "0" for hit in (pred[a - 1 - start:b - 1 - start] == case.ids[a:b]).tolist())
+                   for _, (a, b) in sorted(case.answers.items()))
+
+
+def paired_difference(hits: str, reference: str) -> tuple[float, float]:
+    """Mean per-token accuracy difference of `hits` against `reference` (the same tokens) and its standard
+    error: both caches answer the same tokens, so the pairs' spread, not each accuracy's, bounds the gap."""
+    d = torch.tensor([int(a) - int(b) for a, b in zip(hits, reference, strict=True)], dtype=torch.float64)
+    return float(d.mean()), float(d.std() / math.sqrt(len(d)))
+
+
+def measure(model, make, cfg, window, cases, needle_length, head_dim, clusters=1) -> dict:
+    """Perplexity of the 8K window at each of CONTEXTS and needle accuracy over every sequence of `cases`
+    (None: no needle), with the per-token hits that paired_difference compares."""
     t0 = time.perf_counter()
     first = max(cfg.sink + cfg.recent, CHUNK) if cfg else CHUNK
     nll = window_nll(model, window, make(BITS_CONTEXT), first)
     ppl = {c: math.exp(float(nll[:c - 1].mean())) for c in CONTEXTS}
-    needle = None
-    if case is not None:
-        acc = needle_accuracy(model, case, make(needle_length), CHUNK, first)
-        needle = sum(acc.values()) / len(acc)
+    needle = hits = None
+    if cases:
+        hits = "".join(needle_hits(model, case, make(needle_length), first) for case in cases)
+        needle = hits.count("1") / len(hits)
     bits = 16.0 if cfg is None else cluster_bits(cfg, head_dim, clusters, BITS_CONTEXT)
-    return {"bits": bits, "ppl": ppl, "needle": needle, "wall_s": round(time.perf_counter() - t0, 1)}
+    return {"bits": bits, "ppl": ppl, "needle": needle, "needle_hits": hits,
+            "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def fit_row(cal_k, q_cov, clusters: int, metric: str, scope: str, cfg: OscarConfig) -> tuple[torch.Tensor, dict]:
@@ -349,16 +369,16 @@ def write_report(args, rows, proxy, fit_log, started, final: bool) -> None:
     print("\n".join(lines))
 
 
-def load_split(split: str, needle: bool = True):
+def load_split(split: str, needle: bool = True, needle_seeds: int = 1):
     """SmolLM2 and one split, as the lever sweep reads them: (model, tokenizer, calibration text, the 8K
-    perplexity window, the needle case or None, the needle sequence's length)."""
+    perplexity window, the needle cases (one sequence per seed) or None, a needle sequence's length)."""
     torch.manual_seed(0)
     if not GGUF.is_file():
         sys.exit("fetch the model first: bash scripts/fetch_smollm2.sh")
     model, tokenizer = load_model(str(GGUF))
     calibration_text, ids = _text_tokens(tokenizer, split_text(split), CALIB_TOKENS + CALIB_HELDOUT + SPLIT_MARGIN)
-    case = needle_cases(ids, NEEDLE_CONTEXT, NEEDLE_TOKENS, NEEDLE_PREFIX, NEEDLE_DEPTHS, 1)[0] if needle else None
-    return (model, tokenizer, calibration_text, ids[:BITS_CONTEXT], case,
+    cases = needle_cases(ids, NEEDLE_CONTEXT, NEEDLE_TOKENS, NEEDLE_PREFIX, NEEDLE_DEPTHS, needle_seeds) if needle else None
+    return (model, tokenizer, calibration_text, ids[:BITS_CONTEXT], cases,
             NEEDLE_CONTEXT + 2 * len(NEEDLE_DEPTHS) * NEEDLE_TOKENS)
 
 
@@ -370,7 +390,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/eval")
     args = p.parse_args()
     started = time.perf_counter()
-    model, tokenizer, calibration_text, window, case, needle_length = load_split(args.split, not args.no_needle)
+    model, tokenizer, calibration_text, window, cases, needle_length = load_split(args.split, not args.no_needle)
     shape = attention_shape(model)
     layers, kv_heads, head_dim, _ = shape
 
@@ -387,10 +407,10 @@ def main() -> None:
     proxy = {"oscar-2/g64": clip_errors(heldout, fitted_layer["rotations"], cfg, "k"),
              "oscar-2/g64-perhead": clip_errors(heldout, fitted_head["rotations"], perhead.config, "k")}
     rows, fit_log = {}, {}
-    rows["fp16"] = measure(model, lambda n: Fp16Cache(layers, kv_heads, head_dim, n), None, window, case,
+    rows["fp16"] = measure(model, lambda n: Fp16Cache(layers, kv_heads, head_dim, n), None, window, cases,
                            needle_length, head_dim)
     for name, method in (("oscar-2/g64", oscar), ("oscar-2/g64-perhead", perhead)):
-        rows[name] = measure(model, method.make, method.config, window, case, needle_length, head_dim)
+        rows[name] = measure(model, method.make, method.config, window, cases, needle_length, head_dim)
         rows[name]["config"] = method.config.to_dict()
         log(f"{name}: {rows[name]}")
     write_report(args, rows, proxy, fit_log, started, final=False)
@@ -412,7 +432,7 @@ def main() -> None:
             return ClusteredKCache(run_cfg, shape, n, base_k, rot_v, rots, weights,
                                    stats if n == BITS_CONTEXT else None)
 
-        rows[name] = measure(model, make, run_cfg, window, case, needle_length, head_dim, c)
+        rows[name] = measure(model, make, run_cfg, window, cases, needle_length, head_dim, c)
         total = sum(stats["counts"])
         rows[name].update(config=run_cfg.to_dict(), clusters=c, metric=metric, scope=scope,
                           switch_rate=stats["switches"] / max(stats["pairs"], 1),
