@@ -6,15 +6,19 @@ at most B bits per element at `context` (cache.bits_per_element: the layout the 
 each (k_bits, v_bits, cluster_dim) only the largest windows that fit are kept: windows cost bits,
 never accuracy. Every candidate gets the calibration's clip search (calibrate.fit_quantizer, on the
 held-out calibration tokens); the `shortlist` with the lowest attention-output error (K's plus V's)
-are then scored by perplexity of the calibration text's first `context` tokens through the packed
-cache, in one pass (evaluate.one_pass_logits).
+are then scored by perplexity through the packed cache, in one pass (evaluate.one_pass_logits), of the
+calibration text's first `context` tokens with a retrieval probe in them (retrieval_probe: spans of the text
+inserted into it and repeated at its end, as the needle evaluation does with other text). The probe is why:
+the clip search's attention-output error and plain perplexity both favour a hard K clip and spread bits
+evenly, while copying a span seen thousands of tokens back needs precise K in the few layers that do it
+(on SmolLM2 one layer holds most of it), and the repeats' NLL is what says so.
 
-Then mixed K widths: the winner's K one bit wider in the n layers where that helps most, each n at the
-largest windows that still fit (fewer wider layers leave bits for longer windows), a shortlist spread over
-n. Layers are ranked by how much calibration NLL drops when that layer alone has the wider K (one pass per
-layer, at the winner's windows): on SmolLM2 this ranking beat the per-layer attention error clearly at
-equal bits (benchmarks/mixed_key_bits.py). The mixed candidates are scored like the shortlist, and the
-lowest perplexity of all wins. No evaluation text is read.
+Then K: the winner's clip is scored against wider ones (CLIP_CANDIDATES above it), and mixed K widths: each
+wider width in the n layers where the widest helps most, each n at the largest windows that still fit (fewer
+wider layers leave bits for longer windows), a shortlist spread over n per width. Layers are ranked by how
+much the probe's NLL drops when that layer alone has the widest K (one pass per layer, at the winner's
+windows). The mixed candidates are scored like the shortlist, and the lowest perplexity of all wins. No
+evaluation text is read.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ WINDOWS = tuple(sorted(((s, r) for s in (64, 32, 16, 0) for r in (512, 384, 256,
                        key=lambda w: (-(w[0] + w[1]), -w[1])))
 SHORTLIST = 4
 CHUNK = 64  # decode-like chunks after the first, as eval runs them
+WIDER_CLIPS = 3  # K clips scored above the searched one, evenly spread up to 1.0
+# The retrieval probe: as evaluate's needles (24 tokens, scored after 8, at five depths).
+PROBE_TOKENS, PROBE_PREFIX, PROBE_DEPTHS = 24, 8, (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
 @dataclass
@@ -83,15 +90,30 @@ def budget_candidates(budget: float, context: int, head_dim: int, lloyd_max: boo
     return candidates(budget, context, head_dim, "lloyd-max" if lloyd_max else "uniform")
 
 
+def retrieval_probe(ids):
+    """The calibration tokens `ids` with a copy task in them: five spans of the text inserted at depths 0.1 to
+    0.9 of the rest, then repeated at its end (evaluate.needle_cases on calibration tokens: a few dozen tokens
+    shorter than `ids`). Scored whole, its NLL counts ordinary prediction and retrieval from far back."""
+    from .evaluate import needle_cases
+
+    haystack = len(ids) - 3 * len(PROBE_DEPTHS) * PROBE_TOKENS
+    if haystack < 2 * len(PROBE_DEPTHS) * PROBE_TOKENS:
+        return ids  # too few tokens for spans that are far from their repeats
+    return needle_cases(ids, haystack, PROBE_TOKENS, PROBE_PREFIX, PROBE_DEPTHS, 1)[0].ids
+
+
 def mixed_candidates(base: OscarConfig, wider_clip: float, order: list[int], layers: int, budget: float,
-                     context: int, head_dim: int, shortlist: int = SHORTLIST) -> list[Candidate]:
-    """`base` with K one bit wider (at `wider_clip`) in the first n of the layers `order` lists (the ones it
-    helps, most helped first), for n from 1 to all but one of `layers` (all is a uniform format), each at the
-    largest windows that fit `budget`: the `shortlist` of them evenly spread over n, the most layers included."""
+                     context: int, head_dim: int, shortlist: int = SHORTLIST, wider_bits: int | None = None
+                     ) -> list[Candidate]:
+    """`base` with K `wider_bits` wide (default one bit wider; at `wider_clip`) in the first n of the layers
+    `order` lists (the ones it helps, most helped first), for n from 1 to all but one of `layers` (all is a
+    uniform format), each at the largest windows that fit `budget`: the `shortlist` of them evenly spread over
+    n, the most layers included."""
+    wider_bits = base.k_bits + 1 if wider_bits is None else wider_bits
     by_count = []
     for n in range(1, min(len(order), layers - 1) + 1):
         wide = set(order[:n])
-        widths = tuple(base.k_bits + (i in wide) for i in range(layers))
+        widths = tuple(wider_bits if i in wide else base.k_bits for i in range(layers))
         clips = tuple(wider_clip if i in wide else base.k_clip for i in range(layers))
         for sink, recent in WINDOWS:
             config = replace(base, sink=sink, recent=recent, k_bits_by_layer=widths, k_clip_by_layer=clips)
@@ -118,12 +140,14 @@ def _nll(model, ids, config: OscarConfig, quantizer: dict, fitted: dict):
         return token_nll(model, ids, cache, CHUNK, max(config.sink + config.recent, CHUNK))
 
 
-def layer_gains(model, ids, fitted: dict, base: Candidate, wider_clip: float) -> list[float]:
-    """Per layer: calibration NLL (nats, summed over tokens) with every layer at `base`'s K width, less that with
-    this layer alone one bit wider."""
+def layer_gains(model, ids, fitted: dict, base: Candidate, wider_clip: float, wider_bits: int | None = None
+                ) -> list[float]:
+    """Per layer: calibration NLL of `ids` (nats, summed over tokens) with every layer at `base`'s K width, less
+    that with this layer alone `wider_bits` wide (default one bit wider)."""
     from .progress import progress
 
     layers, c = fitted["layers"], base.config
+    wider_bits = c.k_bits + 1 if wider_bits is None else wider_bits
 
     def total(widths):
         clips = tuple(wider_clip if b > c.k_bits else c.k_clip for b in widths)
@@ -131,8 +155,18 @@ def layer_gains(model, ids, fitted: dict, base: Candidate, wider_clip: float) ->
         return float(_nll(model, ids, config, base.quantizer, fitted).sum())
 
     everywhere = total((c.k_bits,) * layers)
-    return [everywhere - total(tuple(c.k_bits + (i == layer) for i in range(layers)))
+    return [everywhere - total(tuple(wider_bits if i == layer else c.k_bits for i in range(layers)))
             for layer in progress(range(layers), "calibration: per-layer K sensitivity")]
+
+
+def wider_clips(clip: float, count: int = WIDER_CLIPS) -> list[float]:
+    """`count` of CLIP_CANDIDATES above `clip`, evenly spread, 1.0 (no clipping) always among them."""
+    from .calibrate import CLIP_CANDIDATES
+
+    above = sorted(c for c in CLIP_CANDIDATES if c > clip)
+    if len(above) <= count:
+        return above
+    return [above[round((j + 1) * (len(above) - 1) / count)] for j in range(count)]
 
 
 def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: int, lloyd_max: bool = False,
@@ -149,18 +183,34 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
         c.attention_error = min(c.quantizer["k_clip_errors"].values()) + min(c.quantizer["v_clip_errors"].values())
     ranked = sorted(found, key=lambda c: (c.attention_error, c.bits))[:shortlist]
     ids = _tokens_from_text(tokenizer, text, min(context, fitted["calibration_tokens"]), "calibration text")
+    probe = retrieval_probe(ids)
+
+    def score(c: Candidate) -> Candidate:
+        c.perplexity = math.exp(float(_nll(model, probe, c.config, c.quantizer, fitted).mean()))
+        return c
+
     for c in ranked:
-        c.perplexity = math.exp(float(_nll(model, ids, c.config, c.quantizer, fitted).mean()))
+        score(c)
     best = min(ranked, key=lambda c: c.perplexity)
+    # A wider K clip than the attention error's keeps the far tokens' scores that retrieval reads.
+    clipped = [score(Candidate(replace(best.config, k_clip=clip), best.bits, quantizer=dict(best.quantizer, k_clip=clip)))
+               for clip in wider_clips(best.config.k_clip)]
+    best = min([best] + clipped, key=lambda c: c.perplexity)
+    considered = found + clipped
     if lloyd_max or best.config.k_bits == max(SUPPORTED_BITS) or fitted["layers"] < 2:
-        return best, found  # Lloyd-Max levels are fitted at one width; nothing wider than 4 bits
-    wider = replace(best.config, k_bits=best.config.k_bits + 1)
-    errors = clip_errors(fitted["heldout"], fitted["rotations"], wider, "k")
-    wider_clip = min(errors, key=errors.get)
-    gains = layer_gains(model, ids, fitted, best, wider_clip)
+        return best, considered  # Lloyd-Max levels are fitted at one width; nothing wider than 4 bits
+    clips = {}
+    for bits in range(best.config.k_bits + 1, max(SUPPORTED_BITS) + 1):
+        errors = clip_errors(fitted["heldout"], fitted["rotations"], replace(best.config, k_bits=bits), "k")
+        clips[bits] = min(errors, key=errors.get)
+    widest = max(clips)
+    gains = layer_gains(model, probe, fitted, best, clips[widest], widest)
     order = sorted((i for i in range(fitted["layers"]) if gains[i] > 0), key=lambda i: -gains[i])
-    mixed = mixed_candidates(best.config, wider_clip, order, fitted["layers"], budget, context, fitted["head_dim"])
+    mixed = [c for bits, clip in clips.items()
+             for c in mixed_candidates(best.config, clip, order, fitted["layers"], budget, context, fitted["head_dim"],
+                                       wider_bits=bits)]
     for c in mixed:
-        c.quantizer, c.layer_gains = best.quantizer, gains  # the same rotations; each layer's K clip is in the config
-        c.perplexity = math.exp(float(_nll(model, ids, c.config, c.quantizer, fitted).mean()))
-    return min(ranked + mixed, key=lambda c: c.perplexity), found + mixed
+        # the same rotations; each layer's K clip is in the config
+        c.quantizer, c.layer_gains = best.quantizer, gains
+        score(c)
+    return min([best] + mixed, key=lambda c: c.perplexity), considered + mixed

@@ -6,6 +6,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from oscar_export.calibrations import run_calibration
 from oscar_export.cli import main
@@ -13,7 +14,18 @@ from oscar_export.config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarCon
 from oscar_export.export.artifact import config_for
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model
 from oscar_export.rotation_files import load_rotations
-from oscar_export.tune import SHORTLIST, WINDOWS, candidates, mixed_candidates
+from oscar_export.tune import (
+    PROBE_DEPTHS,
+    PROBE_PREFIX,
+    PROBE_TOKENS,
+    SHORTLIST,
+    WIDER_CLIPS,
+    WINDOWS,
+    candidates,
+    mixed_candidates,
+    retrieval_probe,
+    wider_clips,
+)
 
 pytestmark = pytest.mark.usefixtures("single_threaded")
 
@@ -77,21 +89,28 @@ def test_the_chosen_format_fits_and_scored_best(budget_file):
     assert all(c["bits"] <= 3.2 for c in considered)
     uniform = [c for c in considered if c["k_bits_by_layer"] is None]
     mixed = [c for c in considered if c["k_bits_by_layer"] is not None]
-    scored = [c for c in uniform if c["perplexity"] is not None]
-    assert 1 <= len(scored) <= SHORTLIST and len(mixed) <= SHORTLIST
-    # The shortlist is the lowest attention errors; the winner has the lowest perplexity of it and the mixed ones.
+    scored = [c for c in uniform if c["perplexity"] is not None and c["attention_error"] is not None]
+    clipped = [c for c in uniform if c["attention_error"] is None]  # the shortlist winner at wider K clips
+    assert 1 <= len(scored) <= SHORTLIST and len(mixed) <= SHORTLIST * (max(SUPPORTED_BITS) - 2)
+    # The shortlist is the lowest attention errors; the winner has the lowest perplexity of it, its clip variants
+    # and the mixed ones.
     cutoff = max(c["attention_error"] for c in scored)
     assert all(c["attention_error"] >= cutoff for c in uniform if c["perplexity"] is None)
-    best = min(scored + mixed, key=lambda c: c["perplexity"])
-    assert all(math.isfinite(c["perplexity"]) for c in scored + mixed)
+    first = min(scored, key=lambda c: c["perplexity"])
+    same_format = ("k_bits", "v_bits", "cluster_dim", "sink", "recent", "v_clip")
+    assert [c["k_clip"] for c in clipped] == wider_clips(first["k_clip"]) and len(clipped) <= WIDER_CLIPS
+    assert all(all(c[k] == first[k] for k in same_format) for c in clipped)
+    best = min(scored + clipped + mixed, key=lambda c: c["perplexity"])
+    assert all(math.isfinite(c["perplexity"]) for c in scored + clipped + mixed)
     assert (meta["k_bits"], meta["v_bits"], meta["cluster_dim"], meta["sink"], meta["recent"],
             meta.get("k_bits_by_layer")) == \
         (best["k_bits"], best["v_bits"], best["cluster_dim"], best["sink"], best["recent"], best["k_bits_by_layer"])
     # Mixed candidates widen K where the calibration NLL said it helps, most helped first, on the best one-width
-    # format's widths and group.
+    # format's widths and group, to one wider width each.
     gains = meta.get("k_layer_gains")
     for c in mixed:
         wide = [i for i, b in enumerate(c["k_bits_by_layer"]) if b > c["k_bits"]]
+        assert len({c["k_bits_by_layer"][i] for i in wide}) == 1 and c["k_bits"] < c["k_bits_by_layer"][wide[0]] <= 4
         assert all(gains[i] > 0 for i in wide)
         assert min(gains[i] for i in wide) >= max([gains[i] for i in range(4) if i not in wide and gains[i] > 0],
                                                   default=-math.inf)
@@ -115,6 +134,45 @@ def test_mixed_candidates_fit_widen_in_order_and_keep_the_largest_windows():
     assert [sum(b == 3 for b in c.config.k_bits_by_layer) for c in spread] == [1, 3, 6]  # ends and the middle
     assert mixed_candidates(base, 0.85, list(range(8)), 8, 3.0, 8192, 64, shortlist=20)[-1].config.k_bits_by_layer \
         .count(3) == 7  # all but one layer: all eight is a one-width format
+
+
+def test_mixed_candidates_can_widen_by_more_than_one_bit():
+    base = OscarConfig(k_bits=2, v_bits=2, cluster_dim=64, k_clip=0.7)
+    found = mixed_candidates(base, 0.9, [3, 0, 2], 4, 3.5, 8192, 64, shortlist=20, wider_bits=4)
+    assert [c.config.k_bits_by_layer for c in found] == [(2, 2, 2, 4), (4, 2, 2, 4), (4, 2, 4, 4)]
+    for c in found:
+        assert c.bits <= 3.5 and c.bits == pytest.approx(sum(
+            stored_bits(k, 2, 64, c.config.sink, c.config.recent, 64, 8192) for k in c.config.k_bits_by_layer) / 4)
+
+
+def test_the_retrieval_probe_repeats_spans_of_its_text_far_from_where_they_first_appear():
+    ids = torch.arange(2000)  # distinct tokens: where a span came from is its values
+    probe = retrieval_probe(ids)
+    k = len(PROBE_DEPTHS)
+    assert probe.shape[0] == len(ids) - k * PROBE_TOKENS  # haystack, the spans inserted, the spans repeated
+    body, repeats = probe[:-k * PROBE_TOKENS], probe[-k * PROBE_TOKENS:]
+    assert sorted(body.tolist()) == sorted(set(body.tolist()))  # nothing in the haystack twice
+    first = []
+    for i in range(k):
+        span = repeats[i * PROBE_TOKENS:(i + 1) * PROBE_TOKENS]
+        assert torch.equal(span, torch.arange(int(span[0]), int(span[0]) + PROBE_TOKENS))  # a span of the text
+        at = int((body == span[0]).nonzero())
+        assert torch.equal(body[at:at + PROBE_TOKENS], span)
+        first.append(at)
+    haystack = len(ids) - 3 * k * PROBE_TOKENS
+    assert first == [round(d * haystack) + i * PROBE_TOKENS for i, d in enumerate(PROBE_DEPTHS)]  # in depth order
+    assert 0 < PROBE_PREFIX < PROBE_TOKENS
+    short = torch.arange(5 * k * PROBE_TOKENS - 1)
+    assert retrieval_probe(short) is short  # no room for a haystack longer than the spans: plain text
+
+
+def test_wider_clips_spread_up_to_no_clipping():
+    from oscar_export.calibrate import CLIP_CANDIDATES
+
+    above = sorted(c for c in CLIP_CANDIDATES if c > 0.65)
+    got = wider_clips(0.65)
+    assert len(got) == WIDER_CLIPS and got[-1] == 1.0 and got == sorted(set(got)) and set(got) <= set(above)
+    assert wider_clips(0.96) == [0.98, 1.0] and wider_clips(1.0) == []
 
 
 def test_a_files_per_layer_key_bits_reach_export_unless_a_flag_sets_k(tmp_path):
