@@ -6,11 +6,12 @@ rotations) and 3-bit K in every layer at the same windows (the mix's upper bound
     nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py                    # validation, every row
     nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py --split test --rows mixed-nll16/s16-r128
 
-The two took 17 and 9 minutes on 2 CPU cores (each 8K window plus needle about a minute; the "nll"
-sensitivity, 31 passes of 2,048 tokens, most of the rest).
+The two took 17 and 9 minutes on 2 CPU cores with one needle sequence (each 8K window plus needle about a
+minute; the "nll" sensitivity, 31 passes of 2,048 tokens, most of the rest).
 
-Same split, calibration and metrics as benchmarks/smollm2_levers.py (one 8K window for perplexity at
-2K/4K/8K, one needle sequence for retrieval). Rotations are fitted per KV head (the best 2-bit lever
+Same split, calibration and perplexity as benchmarks/smollm2_levers.py (one 8K window for perplexity at
+2K/4K/8K); retrieval over --needle-seeds needle sequences (default 4, 320 scored tokens), each row's gap to
+fp16 paired per token with its standard error. Rotations are fitted per KV head (the best 2-bit lever
 there); each bit width keeps its own clip ratio, searched on the held-out calibration tokens.
 
 Which layers get 3 bits is chosen on calibration tokens only, by one of two rules:
@@ -24,6 +25,13 @@ budget-B: the format `calibrate --budget-bits B --context 8192 --per-head` choos
 text alone, by the CLI's own path:
 
     nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py --split test --rows "" --budget 3.0
+
+(29 minutes with four needle sequences; the choice alone, probe scoring at K3 and K4 included, 18.)
+--k4-ceiling adds 4-bit K in every layer at today's windows, a bit per element over the budget: how much
+retrieval K precision alone buys at 2-bit V (results in mixed_key_bits_<split>_k4_ceiling.* when it runs alone;
+10 minutes):
+
+    nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py --split test --rows "" --k4-ceiling
 
 --budget-context N sizes the budget at another context. The long-context budget of 2.4 bits per element at 32K
 needs groups of 128, which SmolLM2's head_dim of 64 does not have: its cheapest format there (K2/V2, group 64,
@@ -126,7 +134,8 @@ def write_report(args, rows, gains, started, final: bool) -> None:
     report = {"split": args.split, "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "contexts": CONTEXTS,
               "complete": final, "rows": rows, "layer_gains": gains, "wall_s": wall}
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.rows else "_budget" + ("" if args.budget_context == BITS_CONTEXT else f"_{args.budget_context}")
+    suffix = ("" if args.rows else "_k4_ceiling" if args.budget is None
+              else "_budget" + ("" if args.budget_context == BITS_CONTEXT else f"_{args.budget_context}"))
     stem = args.out / f"mixed_key_bits_{args.split}{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     if not final:
@@ -161,6 +170,9 @@ def main() -> None:
                    help="also measure the format calibrate --budget-bits B --context 8192 --per-head chooses")
     p.add_argument("--budget-context", type=int, default=BITS_CONTEXT, metavar="N",
                    help=f"context the --budget is sized at (default {BITS_CONTEXT})")
+    p.add_argument("--k4-ceiling", action="store_true",
+                   help="also measure 4-bit K in every layer at today's windows (3.99 bits at 8K): how much retrieval "
+                        "K precision alone can buy at 2-bit V")
     p.add_argument("--needle-seeds", type=int, default=NEEDLE_SEEDS, metavar="N",
                    help=f"needle sequences (each 5 x 16 scored tokens; default {NEEDLE_SEEDS})")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/eval")
@@ -219,6 +231,10 @@ def main() -> None:
         run(name, mixed(w2, w3, chosen, layers), chosen)
         if rows[name]["bits"] > 3.0 + 1e-9:
             raise SystemExit(f"{name} costs {rows[name]['bits']:.4f} bits per element: over the 3.0 budget")
+    if args.k4_ceiling:
+        k4_errors = clip_errors(heldout, rotations, replace(cfg2, k_bits=4), "k")
+        run("oscar-k4v2/s64-r256", replace(cfg2, k_bits=4, k_clip=min(k4_errors, key=k4_errors.get)),
+            list(range(layers)))
     if args.budget is not None:
         name, config, wide, rot = budget_row(args.budget, args.budget_context, model, tokenizer, calibration_text,
                                              head_dim)
