@@ -1,0 +1,100 @@
+"""How far the native decode kernels are from their arithmetic floor, on this x86-64 core.
+
+    nice -n 10 .venv/bin/python benchmarks/decode_floor.py [--context 32768] [--steps 100]
+
+A decode step over C cached rows does Q * C * D multiply-accumulates for the scores and as many
+for the values (Q query heads, head_dim D). benchmarks/mac_peak.cc measures how many of them one
+core retires per second in each instruction form; dividing gives three floors:
+  - fp32: both sides as fp32 FMAs (what fp32 attention must do, whatever its cache);
+  - exact: the kernels' arithmetic (docs/kernels.md): fp32 FMAs on the value side, and three
+    int8 query terms against u8 codes (vpmaddubsw) on the score side;
+  - int8/int16: one int8 query term and 16-bit value weights (vpmaddwd), the precision trade
+    the kernels do not make.
+Each row runs oscar_decode_bench (the core alone, one thread, 2-bit K/V) right after the peak
+rates, so the fraction of floor is measured side by side. Writes benchmarks/results/decode_floor.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from oscar_export.native import build_native  # noqa: E402
+
+SHAPES = {"bundled": (4, 2, 64), "smollm2": (9, 3, 64), "llama-3-8b": (32, 8, 128)}  # q heads, KV heads, D
+SCORE_TERMS = 3  # int8 terms of the query on the exact score path (oscar_kernels.h, SplitQuery)
+BENCH_LINE = re.compile(r"median ([0-9.]+) ms, p10 ([0-9.]+), min ([0-9.]+)")
+
+
+def mac_rates(build: Path) -> dict:
+    exe = build / "mac_peak"
+    subprocess.run(["g++", "-O2", "-o", str(exe), str(ROOT / "benchmarks/mac_peak.cc")], check=True)
+    return json.loads(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
+
+
+def step_ms(bench: Path, shape: tuple, context: int, cluster_dim: int, steps: int) -> dict:
+    q, kv, d = shape
+    out = subprocess.run([str(bench), str(q), str(kv), str(d), str(context), "1", str(cluster_dim), "0", str(steps)],
+                         check=True, capture_output=True, text=True)
+    line = (out.stdout + out.stderr).strip().splitlines()[-1]
+    match = BENCH_LINE.search(line)
+    if match is None:
+        raise RuntimeError(f"oscar_decode_bench printed no timing: {line!r}")
+    kernel = line.split(":", 1)[0]
+    return {"kernel": kernel, "median_ms": float(match[1]), "p10_ms": float(match[2]), "min_ms": float(match[3])}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=32768, help="cached rows in the packed body")
+    parser.add_argument("--cluster-dim", type=int, default=64, help="group size of the scales and zeros")
+    parser.add_argument("--steps", type=int, default=100, help="decode steps per oscar_decode_bench run")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/decode_floor.json")
+    args = parser.parse_args()
+    if platform.machine() not in ("x86_64", "AMD64"):
+        sys.exit(f"decode_floor: mac_peak.cc measures x86-64 instructions; this machine is {platform.machine()}")
+
+    build = build_native()
+    with tempfile.TemporaryDirectory() as tmp:
+        rates = mac_rates(Path(tmp))
+    fp32, int16, int8 = rates["fp32_macs_per_s"], rates["int16_macs_per_s"], rates["int8_macs_per_s"]
+    rows = []
+    print(f"peak MACs/s on one core: fp32 FMA {fp32:.3g}, int16 vpmaddwd {int16:.3g}, int8 vpmaddubsw {int8:.3g}")
+    print("| shape (q / KV heads, D) | context | step median (min) ms | fp32 floor | exact floor | "
+          "int8/int16 floor | step / exact floor |")
+    print("|---|---|---|---|---|---|---|")
+    for name, shape in SHAPES.items():
+        side = shape[0] * args.context * shape[2]  # MACs on each of the score and value sides
+        floors = {"fp32_ms": 2 * side / fp32 * 1e3, "exact_ms": (side / fp32 + SCORE_TERMS * side / int8) * 1e3,
+                  "int8_int16_ms": (side / int16 + side / int8) * 1e3}
+        step = step_ms(build / "oscar_decode_bench", shape, args.context, min(args.cluster_dim, shape[2]), args.steps)
+        row = {"shape": name, "q_heads": shape[0], "kv_heads": shape[1], "head_dim": shape[2],
+               "context": args.context, "macs_per_side": side, **step,
+               **{k: round(v, 4) for k, v in floors.items()},
+               "fraction_of_exact_floor": round(floors["exact_ms"] / step["median_ms"], 3)}
+        rows.append(row)
+        print(f"| {name} ({shape[0]} / {shape[1]}, {shape[2]}) | {args.context} | {step['median_ms']:.3f} "
+              f"({step['min_ms']:.3f}) | {floors['fp32_ms']:.3f} | {floors['exact_ms']:.3f} | "
+              f"{floors['int8_int16_ms']:.3f} | {row['fraction_of_exact_floor']:.2f} |")
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    result = {"command": "nice -n 10 .venv/bin/python benchmarks/decode_floor.py " + " ".join(sys.argv[1:]),
+              "machine": f"{platform.machine()} ({model}), one thread", "cluster_dim": args.cluster_dim,
+              "peak_macs_per_s": rates, "rows": rows}
+    tmp = args.out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(args.out)
+    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+
+
+if __name__ == "__main__":
+    main()
