@@ -301,9 +301,9 @@ void planar_values_heads(const BodyView& b, const uint8_t* codes, int n, int h0,
 #pragma GCC unroll 4
     for (int k = 0; k < NH; ++k) lo[k] = hi[k] = _mm256_setzero_ps();
     for (int j = 0; j < n; ++j) {
-      const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + j * D + p0));
-      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c));
-      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_unpackhi_epi64(c, c)));
+      const uint8_t* c = codes + j * D + p0;
+      const __m256 c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+      const __m256 c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8))));
 #pragma GCC unroll 4
       for (int k = 0; k < NH; ++k) {
         const __m256 wk = _mm256_broadcast_ss(w + k * head_stride + j);
