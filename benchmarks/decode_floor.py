@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from attention_tables import machine  # noqa: E402  (benchmarks/ is this script's sys.path[0])
 from oscar_export.native import build_native  # noqa: E402
 
 SHAPES = {"bundled": (4, 2, 64), "smollm2": (9, 3, 64), "llama-3-8b": (32, 8, 128)}  # q heads, KV heads, D
@@ -62,6 +63,7 @@ def main() -> None:
     if platform.machine() not in ("x86_64", "AMD64"):
         sys.exit(f"decode_floor: mac_peak.cc measures x86-64 instructions; this machine is {platform.machine()}")
 
+    where = machine()  # before the runs: it reports the load average at the start
     build = build_native()
     with tempfile.TemporaryDirectory() as tmp:
         peak = Path(tmp) / "mac_peak"
@@ -90,10 +92,8 @@ def main() -> None:
         print(f"| {name} ({shape[0]} / {shape[1]}, {shape[2]}) | {args.context} | {step['p10_ms']:.3f} "
               f"({step['median_ms']:.3f}) | {floors['fp32_ms']:.3f} | {floors['exact_ms']:.3f} | "
               f"{floors['int8_int16_ms']:.3f} | {row['fraction_of_exact_floor']:.2f} |")
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
     result = {"command": "nice -n 10 .venv/bin/python benchmarks/decode_floor.py " + " ".join(sys.argv[1:]),
-              "machine": f"{platform.machine()} ({model}), one thread", "cluster_dim": args.cluster_dim,
+              "machine": f"{where}; one thread", "cluster_dim": args.cluster_dim,
               "peak_macs_per_s": rates, "rows": rows}
     tmp = args.out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=1) + "\n")
