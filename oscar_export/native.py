@@ -159,6 +159,21 @@ def core_library_path(build_dir: str | Path | None = None) -> Path:
     return build_native(build_dir) / CORE_LIBRARY
 
 
+def simd_kernels(build_dir: str | Path | None = None) -> dict | None:
+    """{"decode": the fused kernel set decode steps run here ("" if none), "available": every set this CPU runs,
+    fastest first}, asked of the built core; None when it is not built yet. OSCAR_SIMD picks another set."""
+    import ctypes
+
+    path = Path(build_dir or build_root() / "native") / CORE_LIBRARY
+    if not path.is_file():
+        return None
+    lib = ctypes.CDLL(str(path))
+    for name in ("oscar_simd_kernel_name", "oscar_simd_kernel_sets"):
+        getattr(lib, name).restype = ctypes.c_char_p
+    return {"decode": lib.oscar_simd_kernel_name().decode(),
+            "available": [s for s in lib.oscar_simd_kernel_sets().decode().split(",") if s]}
+
+
 def ort_library_path(build_dir: str | Path | None = None) -> Path:
     """liboscar_ort.so for SessionOptions.register_custom_ops_library, built if needed."""
     path = build_native(build_dir) / ORT_LIBRARY

@@ -34,6 +34,11 @@ class Core:
         self.lib.oscar_attention.argtypes = [ctypes.POINTER(OscarAttentionConfig), ctypes.POINTER(i64),
                                              ctypes.POINTER(p), ctypes.POINTER(i64), i64, ctypes.c_char_p,
                                              ctypes.c_size_t]
+        self.lib.oscar_simd_kernel_sets.restype = ctypes.c_char_p
+
+    def simd_kernel_sets(self) -> list[str]:
+        """The fused kernel sets this CPU runs, fastest first."""
+        return [name for name in self.lib.oscar_simd_kernel_sets().decode().split(",") if name]
 
     def _check(self, rc, err):
         if rc:

@@ -124,7 +124,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     if args.artifact is not None:
         return cmd_artifact_info(args.artifact, args.json)
     from ..models import BUNDLED_MODEL_DIR
-    from ..native import EXECUTORCH_LIBRARY, ORT_LIBRARY, build_root
+    from ..native import EXECUTORCH_LIBRARY, ORT_LIBRARY, build_root, simd_kernels
 
     native_build = build_root() / "native"
 
@@ -140,6 +140,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         # Built by the set-up (or on first use).
         "native_op_libraries": {"onnxruntime": (native_build / ORT_LIBRARY).is_file(),
                                 "executorch": (native_build / EXECUTORCH_LIBRARY).is_file()},
+        # The fused decode kernels the native ops run on this CPU.
+        "native_kernels": simd_kernels(native_build),
         # Each target: whether it can export here, and what `run --runtime` offers for its artifacts.
         "targets": {name: {"available": target.missing() is None, "why_not": target.missing(),
                            "runtime": target.runtime, "run_runtimes": target.runtimes}
@@ -156,6 +158,11 @@ def cmd_info(args: argparse.Namespace) -> int:
         table.add_row(f"runtime {name}", versions[name] if ok else "not installed")
     for name, ok in info["native_op_libraries"].items():
         table.add_row(f"native ops for {name}", "built" if ok else "not built yet")
+    kernels = info["native_kernels"]
+    if kernels is not None:
+        others = [k for k in kernels["available"] if k != kernels["decode"]]
+        table.add_row("native decode kernels", (kernels["decode"] or "scalar") + (
+            f" (this CPU also runs {', '.join(others)}: OSCAR_SIMD=NAME picks one)" if others else ""))
     for name, target in info["targets"].items():
         table.add_row(f"target {name}", f"{target['runtime']}: available" if target["available"]
                       else f"not available: {target['why_not']}")

@@ -64,3 +64,12 @@ extern "C" __attribute__((visibility("default"))) int oscar_attention(const Osca
   a.out = static_cast<float*>(buffers[15]);
   return report(oscar::oscar_attention(a), err, err_len);
 }
+
+extern "C" __attribute__((visibility("default"))) const char* oscar_simd_kernel_name(void) {
+  return oscar::simd_kernel_name();
+}
+
+extern "C" __attribute__((visibility("default"))) const char* oscar_simd_kernel_sets(void) {
+  static const std::string sets = oscar::simd_kernel_sets();  // the CPU does not change under a process
+  return sets.c_str();
+}

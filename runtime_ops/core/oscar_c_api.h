@@ -33,6 +33,11 @@ typedef struct {
 int oscar_attention(const OscarAttentionConfig* config, const int64_t dims[7], void* const buffers[16],
                     const int64_t counts[16], int64_t length, char* err, size_t err_len);
 
+/* The fused kernel set decode steps run on this CPU ("avx512", "avx2", "neon", "neon+dotprod"; "" for none,
+ * or when OSCAR_SIMD names a set this CPU does not run), and every set it runs, fastest first ("avx512,avx2"). */
+const char* oscar_simd_kernel_name(void);
+const char* oscar_simd_kernel_sets(void);
+
 #ifdef __cplusplus
 }
 #endif

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -142,19 +143,59 @@ bool cpu_has_dotprod() {
 }
 #endif
 
-const BodyKernels& simd_kernels() {
+#if defined(OSCAR_HAVE_AVX512)
+bool cpu_has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512vnni");
+}
+#endif
+
+// The fused kernel sets this CPU can run, fastest first.
+std::vector<const BodyKernels*> simd_sets() {
+  std::vector<const BodyKernels*> sets;
+#if defined(OSCAR_HAVE_AVX512)
+  if (cpu_has_avx512()) sets.push_back(&kAvx512Kernels);
+#endif
 #if defined(OSCAR_HAVE_AVX2)
-  return kAvx2Kernels;
+  if (simd_available()) sets.push_back(&kAvx2Kernels);
 #elif defined(__aarch64__)
 #if defined(OSCAR_HAVE_NEON_DOTPROD)
-  static const bool dotprod = cpu_has_dotprod();
-  if (dotprod) return kNeonDotprodKernels;
+  if (cpu_has_dotprod()) sets.push_back(&kNeonDotprodKernels);
 #endif
-  return kNeonKernels;
-#else
-  return kScalarKernels;
+  sets.push_back(&kNeonKernels);
 #endif
+  return sets;
 }
+
+// The set kSimd and kAuto run: the fastest, or the one the environment variable OSCAR_SIMD names
+// (to compare two sets on one machine); nullptr when OSCAR_SIMD names none this CPU runs.
+const BodyKernels* chosen_simd_set() {
+  static const BodyKernels* chosen = [] {
+    const std::vector<const BodyKernels*> sets = simd_sets();
+    const char* want = std::getenv("OSCAR_SIMD");
+    if (!want || !*want) return sets.empty() ? &kScalarKernels : sets.front();
+    for (const BodyKernels* k : sets)
+      if (std::strcmp(k->name, want) == 0) return k;
+    return static_cast<const BodyKernels*>(nullptr);
+  }();
+  return chosen;
+}
+
+std::string set_names(const char* separator) {
+  std::string names;
+  for (const BodyKernels* k : simd_sets()) names += (names.empty() ? "" : separator) + std::string(k->name);
+  return names;
+}
+
+Status check_simd_choice() {
+  if (chosen_simd_set()) return {};
+  const std::string names = set_names(", ");
+  return fail("OSCAR_SIMD=", std::getenv("OSCAR_SIMD"), ": expected a kernel set this CPU runs (",
+              names.empty() ? "none" : names, ") or no value");
+}
+
+const BodyKernels& simd_kernels() { return *chosen_simd_set(); }
 
 float dot(const float* a, const float* b, int64_t n) {
   float s = 0.0f;
@@ -652,6 +693,7 @@ Status buffer_shapes(const AttentionConfig& c, const AttentionDims& d, BufferSha
     return fail("kernel=", int(c.kernel), ": expected 0 (auto), 1 (dense), 2 (scalar) or 3 (simd)");
   if (c.kernel == Kernel::kSimd && !simd_available())
     return fail("kernel=simd: this CPU has neither AVX2+FMA+F16C nor NEON");
+  if (Status st = check_simd_choice(); !st.ok()) return st;
 
   const struct { const char* name; int64_t value, min; } dims[] = {
       {"q_heads", d.q_heads, 1},     {"kv_heads", d.kv_heads, 1}, {"tokens", d.tokens, 1},
@@ -690,7 +732,9 @@ Status buffer_shapes(const AttentionConfig& c, const AttentionDims& d, BufferSha
   return {};
 }
 
-const char* simd_kernel_name() { return simd_available() ? simd_kernels().name : ""; }
+const char* simd_kernel_name() { return simd_available() && chosen_simd_set() ? simd_kernels().name : ""; }
+
+std::string simd_kernel_sets() { return set_names(","); }
 
 Status oscar_attention(const AttentionArgs& a) {
   BufferShape shapes[kNumBuffers];

@@ -83,9 +83,13 @@ struct AttentionArgs {
   int32_t pool_threads = 0;
 };
 
-// The fused kernel set that Kernel::kSimd (and kAuto) runs on this CPU: "avx2", "neon" or
-// "neon+dotprod"; empty where there is none (kSimd is then an error, kAuto runs the scalar set).
+// The fused kernel set that Kernel::kSimd (and kAuto) runs on this CPU: "avx512", "avx2", "neon" or
+// "neon+dotprod"; empty where there is none (kSimd is then an error, kAuto runs the scalar set). The
+// environment variable OSCAR_SIMD, read once, picks another set the CPU runs by name (to compare two
+// on one machine); naming one it does not run makes every call fail, saying which it runs.
 const char* simd_kernel_name();
+// The fused kernel sets this CPU runs, fastest first, comma-separated ("avx512,avx2").
+std::string simd_kernel_sets();
 
 // Element counts of the op's buffers, in the ONNX op's input order, then `out`.
 // Adapters compare what they were given against these before calling oscar_attention.

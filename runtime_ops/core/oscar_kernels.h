@@ -57,6 +57,9 @@ extern const BodyKernels kScalarKernels;
 #if defined(OSCAR_HAVE_AVX2)
 extern const BodyKernels kAvx2Kernels;  // oscar_avx2.cc, built with -mavx2 -mfma -mf16c
 #endif
+#if defined(OSCAR_HAVE_AVX512)
+extern const BodyKernels kAvx512Kernels;  // oscar_avx512.cc: AVX-512 F/BW/VL/DQ + VNNI
+#endif
 #if defined(__aarch64__)
 extern const BodyKernels kNeonKernels;  // oscar_neon.cc
 #endif
@@ -97,6 +100,14 @@ inline int plane_channel(int p, int bits, int cluster_dim) {
   return (p - r) + ((r & ((1 << seg_log) - 1)) << cpb_log) + (r >> seg_log);
 }
 
+// Channel of position p when the packed bytes of a group are read as dwords and spread by bit
+// plane (the AVX-512 kernels): position 4 * u + b is byte b of dword u = c * cpb + k, the plane-k
+// code of packed byte 4c + b, i.e. channel cpb * (4c + b) + k (cpb codes per byte).
+inline int quad_channel(int p, int bits, int cluster_dim) {
+  const int cpb = 8 / bits, r = p & (cluster_dim - 1), u = r >> 2;
+  return (p - r) + cpb * (4 * (u / cpb) + (r & 3)) + u % cpb;
+}
+
 // The query as an integer per group, q ~ unit * Q, written as three balanced base-181 digits
 // Q = t[0] * 181^2 + t[1] * 181 + t[2] (|t[1]|, |t[2]| <= 90), each an int8 term the codes meet
 // in integer dot products. A kernel adds the terms' dots with weights 181^2, 181 and 1 (each fits
@@ -108,20 +119,23 @@ constexpr int kTerms = 3;
 constexpr int kDigit = 181;  // 181^2 = 32761 still fits int16
 constexpr int kHalfDigits = (kDigit * kDigit - 1) / 2;  // the largest |t[1] * 181 + t[2]|
 
+// `channel` maps a position of the terms to the query channel it holds (same group): plane_channel
+// for the planes the AVX2 and NEON kernels spread, quad_channel for the AVX-512 kernels' dwords.
 struct SplitQuery {
   alignas(32) int8_t t[kTerms][kPlanarMaxDim];
   float unit[kPlanarMaxDim / 32];
 
-  void set(const float* q, int bits, int head_dim, int cd) {
+  void set(const float* q, int bits, int head_dim, int cd, int (*channel)(int, int, int) = plane_channel) {
     const int64_t q_limit = int64_t(INT32_MAX) / (int64_t(cd) * ((1 << bits) - 1));  // max|Q| for int32 sums
-    const int64_t top = std::min<int64_t>(127, (q_limit - kHalfDigits) / (kDigit * kDigit));
+    const int64_t digits_limit = (q_limit - kHalfDigits) / (kDigit * kDigit);
+    const int64_t top = digits_limit < 127 ? digits_limit : 127;
     const int64_t q_top = top * kDigit * kDigit + kHalfDigits;
     for (int g = 0; g < head_dim / cd; ++g) {
       float amax = 0.0f;
       for (int i = g * cd; i < (g + 1) * cd; ++i) amax = std::fabs(q[i]) > amax ? std::fabs(q[i]) : amax;
       unit[g] = amax / float(top * kDigit * kDigit);
       for (int p = g * cd; p < (g + 1) * cd; ++p) {
-        const float x = q[plane_channel(p, bits, cd)];
+        const float x = q[channel(p, bits, cd)];
         int64_t v = unit[g] > 0.0f ? int64_t(std::nearbyint(x / unit[g])) : 0;
         v = v > q_top ? q_top : v < -q_top ? -q_top : v;
         for (int i = kTerms - 1; i > 0; --i) {  // balanced digits, lowest first

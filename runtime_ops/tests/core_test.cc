@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "oscar_core.h"
+#include "oscar_kernels.h"
 
 using namespace oscar;
 
@@ -458,6 +459,65 @@ void test_golden(const std::string& dir) {
   std::printf("golden %s: max relative error %.3g\n", name.c_str(), worst);
 }
 
+
+// The AVX-512 set against the AVX2 set, kernel by kernel, on random body blocks of every planar shape
+// (bits, head_dim, cluster_dim, query heads, rows, block start) and some that fall back: scores, value
+// accumulators and softmax pieces must be the same floats, bit for bit (oscar_avx512.cc says why).
+void test_kernel_sets(int count) {
+#if defined(OSCAR_HAVE_AVX512)
+  if (simd_kernel_sets().find("avx512") == std::string::npos) {
+    std::printf("kernel sets: this CPU runs %s, not avx512: the sets are not compared\n", simd_kernel_sets().c_str());
+    return;
+  }
+  std::mt19937 rng(31);
+  std::normal_distribution<float> normal;
+  const BodyKernels* sets[2] = {&kAvx2Kernels, &kAvx512Kernels};
+  int compared = 0;
+  for (int n_case = 0; n_case < count; ++n_case) {
+    const int bits = std::vector<int>{2, 2, 4, 4, 3}[rng() % 5];
+    const int D = 32 * int(1 + rng() % 4);
+    std::vector<int> cds;
+    for (int cd : {32, 64, 128})
+      if (D % cd == 0) cds.push_back(cd);
+    const int cd = cds[rng() % cds.size()], G = D / cd, heads = int(1 + rng() % 9);
+    const int n = rng() % 4 ? int(1 + rng() % 256) : 256, row0 = int(rng() % 40), rows = row0 + n;
+    std::vector<uint8_t> codes(size_t(rows) * D * bits / 8);
+    for (auto& x : codes) x = uint8_t(rng());
+    std::vector<uint16_t> scale(size_t(rows) * G), zero(scale.size());
+    for (auto& x : scale) x = f32_to_f16(0.01f + std::fabs(normal(rng)));
+    for (auto& x : zero) x = f32_to_f16(normal(rng));
+    const std::vector<float> levels = uniform(bits);
+    const BodyView b{codes.data(), scale.data(), zero.data(), levels.data(), bits, D, cd, G};
+    std::vector<float> q(size_t(heads) * D), qsum(size_t(heads) * G, 0.0f), p(size_t(heads) * n);
+    for (auto& x : q) x = 3.0f * normal(rng);
+    for (int h = 0; h < heads; ++h)
+      for (int i = 0; i < D; ++i) qsum[h * G + i / cd] += q[h * D + i];
+    for (auto& x : p) x = std::fabs(normal(rng));
+    std::vector<float> score[2], acc[2], soft[2], sums[2];
+    for (int s = 0; s < 2; ++s) {
+      std::vector<float> prepared(size_t(heads) * kPreparedBytes / 4 + 16), scratch(size_t(n + 1) * heads * G);
+      void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(prepared.data()) + 63) & ~uintptr_t(63));
+      score[s].assign(size_t(heads) * n, 0.0f);
+      acc[s].assign(size_t(heads) * D, 0.0f);
+      sets[s]->prepare(b, q.data(), heads, aligned);
+      sets[s]->scores(b, row0, n, q.data(), qsum.data(), heads, score[s].data(), aligned);
+      sets[s]->values(b, row0, n, p.data(), heads, acc[s].data(), scratch.data());
+      soft[s] = score[s];
+      const float m = sets[s]->scale_max(soft[s].data(), n, 0.125f);
+      sums[s] = {m, sets[s]->exp_sum(soft[s].data(), n, m)};
+    }
+    const bool same = score[0] == score[1] && acc[0] == acc[1] && soft[0] == soft[1] && sums[0] == sums[1];
+    EXPECT(same, "kernel sets: avx2 and avx512 differ at bits %d, head_dim %d, cluster_dim %d, %d heads, %d rows "
+                 "from %d", bits, D, cd, heads, n, row0);
+    compared += same;
+  }
+  std::printf("kernel sets: avx512 equals avx2 bit for bit on %d random body blocks\n", compared);
+#else
+  (void)count;
+  std::printf("kernel sets: no AVX-512 set in this build (%s)\n", simd_kernel_sets().c_str());
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -476,6 +536,7 @@ int main(int argc, char** argv) {
   test_extreme_scores();
   test_random(random);
   test_slices();
+  test_kernel_sets(random);
   for (const std::string& dir : cases) test_golden(dir);
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "OK", failures.load());
   return failures ? 1 : 0;

@@ -1,6 +1,7 @@
 """The command line as a user runs it: a real subprocess, exit codes, one-line errors."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -67,6 +68,10 @@ def test_info_json():
     assert set(info["runtimes"]) >= {"onnxruntime", "executorch", "coremltools", "triton"}
     assert "slower" in info["targets"]["laptop"]["run_runtimes"]["onnx-fallback"]
     assert set(info["targets"]) == {"android", "ios", "laptop"}
+    kernels = info["native_kernels"]  # None only where the set-up could not build the core
+    assert kernels is not None or shutil.which("cmake") is None or shutil.which("g++") is None
+    if kernels is not None:
+        assert kernels["decode"] == (kernels["available"] or [""])[0]  # the fastest set, unless OSCAR_SIMD says
 
 
 @pytest.mark.parametrize("command", ["plan", "info", "report", "calibrate", "eval", "parity", "rotations", "run", "bench"])

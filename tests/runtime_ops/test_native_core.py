@@ -143,10 +143,42 @@ def run_core_test(cmd: list[str], env=None) -> str:
     return output
 
 
+def simd_sets() -> list[str]:
+    """The fused kernel sets this CPU runs, fastest first (the core's own answer)."""
+    return native_core().simd_kernel_sets()
+
+
 def test_core_test_executable(golden_dirs):
     build = build_native()
     out = run_core_test([str(build / CORE_TEST), "--random", "300", *golden_dirs])
     assert "OK: 0 failure(s)" in out
+    sets = simd_sets()
+    if sets:
+        assert f"(simd on: {sets[0]})" in out  # the fastest set runs unless OSCAR_SIMD says otherwise
+    if "avx512" in sets:
+        assert "kernel sets: avx512 equals avx2 bit for bit on 300 random body blocks" in out
+
+
+def test_each_kernel_set_on_the_golden_vectors(golden_dirs):
+    """OSCAR_SIMD picks each set this CPU runs (an AVX-512 machine also runs the AVX2 set: test both)."""
+    sets = simd_sets()
+    if len(sets) < 2:
+        pytest.skip(f"this CPU runs one fused kernel set ({sets[0] if sets else 'none'}): nothing to pick; the "
+                    "AVX-512 set needs AVX-512 F, BW, VL, DQ and VNNI")
+    build = build_native()
+    for name in sets[1:]:
+        out = run_core_test([str(build / CORE_TEST), "--random", "100", *golden_dirs],
+                            env=dict(os.environ, OSCAR_SIMD=name))
+        assert f"(simd on: {name})" in out
+
+
+def test_unknown_kernel_set_is_refused(golden_dirs):
+    build = build_native()
+    proc = subprocess.run([str(build / CORE_TEST), "--random", "2", golden_dirs[0]], capture_output=True, text=True,
+                          env=dict(os.environ, OSCAR_SIMD="avx1024"))
+    assert proc.returncode == 1
+    sets = ", ".join(simd_sets()) or "none"
+    assert f"OSCAR_SIMD=avx1024: expected a kernel set this CPU runs ({sets}) or no value" in proc.stderr
 
 
 def test_core_under_address_and_ub_sanitizers(golden_dirs):
