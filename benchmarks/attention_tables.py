@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from oscar_export.config import OscarConfig  # noqa: E402
+from oscar_export.native import simd_kernels  # noqa: E402
 from oscar_export.targets import BenchRequest, registry  # noqa: E402
 
 SMOLLM2 = ROOT / ".cache/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # scripts/fetch_smollm2.sh
@@ -52,7 +53,8 @@ def main() -> None:
     for name in args.targets.split(","):
         target = targets[name]
         report = {"command": f"nice -n 10 .venv/bin/python benchmarks/attention_tables.py --targets {name}",
-                  "commit": commit, "machine": machine(), "runs": {}}
+                  "commit": commit, "machine": machine(), "kernels": simd_kernels(), "runs": {}}
+        args.out.mkdir(parents=True, exist_ok=True)
         for shape in args.shapes.split(","):
             if shape == "smollm2" and not SMOLLM2.is_file():
                 sys.exit(f"{SMOLLM2} missing: bash scripts/fetch_smollm2.sh, or leave smollm2 out of --shapes")
