@@ -12,6 +12,7 @@ import torch
 
 from .codec import (
     body_bytes_per_vector,
+    check_feedback,
     check_finite,
     check_levels,
     dequantize,
@@ -110,6 +111,7 @@ class OscarKVCache:
         k_levels: torch.Tensor | None = None,
         v_levels: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
+        k_feedback: torch.Tensor | None = None,
     ):
         config.check_head_dim(head_dim)
         for name, value in (("layers", layers), ("kv_heads", kv_heads), ("max_context", max_context)):
@@ -136,6 +138,18 @@ class OscarKVCache:
                 if given is None or len(given) != layers:
                     raise OscarInputError(f"{kind}_levels: expected {layers} Lloyd-Max codebooks of {2**bits} levels")
                 self.levels[kind] = [check_levels(lv, bits, f"{kind}_levels[{i}]") for i, lv in enumerate(given)]
+
+        # K's error-feedback weights per layer and KV head, exactly when the config rounds K with feedback.
+        self.feedback = None
+        if (config.k_rounding == "feedback") != (k_feedback is not None):
+            raise OscarInputError(f"k_feedback {'absent' if k_feedback is None else 'given'} but "
+                                  f"k_rounding={config.k_rounding!r}: expected k_feedback exactly with 'feedback'")
+        if k_feedback is not None:
+            k_feedback = check_feedback(k_feedback, head_dim)
+            if k_feedback.shape != (layers, kv_heads, head_dim, head_dim):
+                raise OscarInputError(f"k_feedback has shape {tuple(k_feedback.shape)}: expected "
+                                      f"({layers}, {kv_heads}, {head_dim}, {head_dim})")
+            self.feedback = k_feedback.to(self.device)
 
         sink, recent, body = capacities(config, max_context)
         groups = head_dim // config.cluster_dim
@@ -206,8 +220,14 @@ class OscarKVCache:
             raise OscarInputError(f"rotated {name} exceeds the fp16 window range ({FP16_MAX:g}): expected smaller values")
         return x_rot.to(WINDOW_DTYPE)
 
+    def feedback_for(self, kind: str, layer: int) -> torch.Tensor | None:
+        """K's error-feedback weights of a layer, [kv_heads, 1, D, D] to broadcast over tokens; None for V and for
+        nearest rounding."""
+        return self.feedback[layer][:, None] if kind == "k" and self.feedback is not None else None
+
     def _quantize_into_body(self, kind: str, layer: int, first: int, values: torch.Tensor, quantizer=quantize) -> None:
         cfg = self.layer_configs[layer]
+        feedback = self.feedback_for(kind, layer)
         q = quantizer(
             values.to(torch.float32),
             cfg.bits(kind),
@@ -215,6 +235,7 @@ class OscarKVCache:
             cfg.clip(kind),
             self.levels[kind][layer],
             cfg.scale_dtype,
+            **({} if feedback is None else {"feedback": feedback}),
         )
         end = first + values.shape[1]
         self.codes[kind][layer][:, first:end] = q.codes

@@ -82,6 +82,27 @@ def rotations_from(acc: list[ObjectiveAccumulators], per_head: bool) -> dict[str
     return {name: torch.stack(items) for name, items in out.items()}
 
 
+# Added to the query covariance before it is inverted, as a fraction of its mean diagonal: GPTQ's damping. It keeps
+# the feedback weights near 1 in magnitude (directions no query reads would otherwise absorb any error).
+FEEDBACK_DAMPING = 0.01
+
+
+def feedback_weights(q_cov: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """K's error-feedback weights (codec.encode_feedback) per KV head, fp32 [kv_heads, D, D]: for the query
+    covariance H in the rotated space (R^T Sigma_Q R, damped), U = the upper Cholesky factor of H^-1 and weight
+    [i, j] = U[i, j] / U[i, i] for j > i, zero elsewhere. Rounding channel i then moves the later channels as the
+    optimal-brain-surgeon update does (GPTQ, per vector), so the error q . (k - k_hat) that the queries see is
+    smaller than that of rounding each element to its nearest level. q_cov [kv_heads, D, D]; rotation [D, D] or
+    [kv_heads, D, D]."""
+    r = _expand(rotation, q_cov.shape[0]).to(torch.float64)
+    h = r.transpose(1, 2) @ q_cov.to(torch.float64) @ r
+    d = h.shape[-1]
+    damp = FEEDBACK_DAMPING * h.diagonal(dim1=1, dim2=2).mean(-1).clamp(min=1e-12)
+    h = h + damp[:, None, None] * torch.eye(d, dtype=torch.float64)
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    return torch.triu(u / u.diagonal(dim1=1, dim2=2).unsqueeze(-1), 1).to(torch.float32)
+
+
 def online_rotations(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Online mode: one layer's (R_k, R_v) [D, D] from a prompt's own q [Hq,T,D], k/v [Hkv,T,D]."""
     acc = ObjectiveAccumulators(k.shape[0], k.shape[-1])
@@ -96,8 +117,10 @@ def _expand(rot: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return rot.expand(kv_heads, *rot.shape[-2:]) if rot.dim() == 2 else rot
 
 
-def _roundtrip(x_rot: torch.Tensor, bits: int, cluster_dim: int, clip: float, scale_dtype: str) -> torch.Tensor:
-    q = quantize(x_rot, bits, cluster_dim, clip, None, scale_dtype)
+def _roundtrip(x_rot: torch.Tensor, bits: int, cluster_dim: int, clip: float, scale_dtype: str,
+               feedback: torch.Tensor | None = None) -> torch.Tensor:
+    """x_rot [kv_heads, T, D] through the codec; feedback [kv_heads, D, D]: K's error-feedback weights."""
+    q = quantize(x_rot, bits, cluster_dim, clip, None, scale_dtype, None if feedback is None else feedback[:, None])
     return dequantize(*q, bits, cluster_dim)
 
 
@@ -111,16 +134,19 @@ def clip_errors(
     config: OscarConfig,
     kind: str,
     candidates=CLIP_CANDIDATES,
+    feedback: torch.Tensor | None = None,
 ) -> dict[float, float]:
-    """Mean attention-output relative error over layers when only `kind` is quantized, per clip ratio."""
+    """Mean attention-output relative error over layers when only `kind` is quantized, per clip ratio. feedback
+    ([layers, kv_heads, D, D]): K's codes chosen with error feedback, as config.k_rounding='feedback' stores them."""
     errors = {c: 0.0 for c in candidates}
     for layer, (q, k, v) in heldout.items():
         exact = _attention(q, k, v)
         x = k if kind == "k" else v
         rot = _expand(rotations[kind][layer], x.shape[0])
         x_rot = (x.to(torch.float32) @ rot).to(torch.float16).to(torch.float32)
+        weights = feedback[layer] if feedback is not None and kind == "k" else None
         for clip in candidates:
-            approx = _roundtrip(x_rot, config.bits(kind), config.cluster_dim, clip, config.scale_dtype)
+            approx = _roundtrip(x_rot, config.bits(kind), config.cluster_dim, clip, config.scale_dtype, weights)
             back = approx @ rot.transpose(-1, -2)
             out = _attention(q, back, v) if kind == "k" else _attention(q, k, back)
             errors[clip] += float((out - exact).norm() / exact.norm()) / len(heldout)
@@ -169,22 +195,26 @@ def fit_rotations(
     # Two passes: the V objective weights tokens by the final query covariance.
     stream("query covariance", add_queries)
     stream("score-weighted value covariance", lambda layer, q, k, v: acc[layer].add_values(k[0], v[0]))
-    return {"rotations": rotations_from(acc, per_head), "heldout": collect_qkv(model, heldout_ids[None]),
+    rotations = rotations_from(acc, per_head)
+    feedback = torch.stack([feedback_weights(a.q_cov, rotations["k"][i]) for i, a in enumerate(acc)])
+    return {"rotations": rotations, "k_feedback": feedback, "heldout": collect_qkv(model, heldout_ids[None]),
             "kv_heads": acc[0].kv_heads, "head_dim": acc[0].head_dim, "layers": layers, "calibration_tokens": tokens}
 
 
 def fit_quantizer(fitted: dict, config: OscarConfig, lloyd_max: bool = False) -> dict:
-    """Clip ratios for `config`'s bits and group, picked by attention-output error on the held-out tokens
-    (the searched curve is kept), and Lloyd-Max levels when asked: the calibration's result."""
+    """Clip ratios for `config`'s bits, group and K rounding, picked by attention-output error on the held-out
+    tokens (the searched curve is kept), and Lloyd-Max levels when asked: the calibration's result."""
     config.check_head_dim(fitted["head_dim"])
     rot, heldout = fitted["rotations"], fitted["heldout"]
+    feedback = fitted["k_feedback"] if config.k_rounding == "feedback" else None
     clips, curves = {}, {}
     for kind in progress(("k", "v"), "calibration: clip search"):
-        curves[kind] = clip_errors(heldout, rot, config, kind)
+        curves[kind] = clip_errors(heldout, rot, config, kind, feedback=feedback)
         clips[kind] = min(curves[kind], key=curves[kind].get)
     result = {
         "k_rotation": rot["k"],
         "v_rotation": rot["v"],
+        "k_feedback": fitted["k_feedback"],
         "k_eigenvalues": rot["k_eig"],
         "v_eigenvalues": rot["v_eig"],
         "k_clip": clips["k"],

@@ -70,6 +70,8 @@ def cache_key(model_name: str, text_sha256: str, tokens: int, heldout_tokens: in
               "k_bits": config.k_bits, "v_bits": config.v_bits, "cluster_dim": config.cluster_dim,
               "scale_dtype": config.scale_dtype, "method": "oscar U.H.P_br",
               "clip_candidates": list(CLIP_CANDIDATES)}
+    if config.k_rounding != "nearest":  # the clip search rounds as the cache will; nearest keeps the older keys
+        fields["k_rounding"] = config.k_rounding
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
@@ -98,14 +100,15 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
         from .hf_cache import attention_shape
         from .tune import budget_candidates
 
-        budget_candidates(*budget, attention_shape(model)[2], lloyd_max)
+        budget_candidates(*budget, attention_shape(model)[2], lloyd_max, config.k_rounding)
     fitted = fit_rotations(model, tokenizer, text, tokens, heldout_tokens, per_head=per_head,
                            text_name=f"calibration text {str(text_path)!r}")
     chosen = None
     if budget is not None:
         from .tune import choose
 
-        chosen, considered = choose(model, tokenizer, fitted, text, *budget, lloyd_max=lloyd_max)
+        chosen, considered = choose(model, tokenizer, fitted, text, *budget, lloyd_max=lloyd_max,
+                                    k_rounding=config.k_rounding)
         config, result = chosen.config, chosen.quantizer
     else:
         result = fit_quantizer(fitted, config, lloyd_max)
@@ -124,6 +127,7 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
         "k_clip_errors": {str(c): round(e, 6) for c, e in result["k_clip_errors"].items()},
         "v_clip_errors": {str(c): round(e, 6) for c, e in result["v_clip_errors"].items()},
         "codebook": "lloyd-max" if lloyd_max else "uniform",
+        "k_rounding": config.k_rounding,
         "k_bits": config.k_bits,
         "v_bits": config.v_bits,
         "cluster_dim": config.cluster_dim,
@@ -146,7 +150,7 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
     rotation_set = RotationSet(
         k=result["k_rotation"], v=result["v_rotation"], metadata=metadata,
         k_levels=result.get("k_levels"), v_levels=result.get("v_levels"),
-        k_eigenvalues=result["k_eigenvalues"], v_eigenvalues=result["v_eigenvalues"],
+        k_eigenvalues=result["k_eigenvalues"], v_eigenvalues=result["v_eigenvalues"], k_feedback=result["k_feedback"],
     )
     return rotation_set, seconds
 

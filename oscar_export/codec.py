@@ -117,6 +117,50 @@ def encode(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels
     return torch.where(s == 0, torch.zeros_like(codes), codes).to(torch.uint8)
 
 
+# Feedback weights are the strict upper triangle of a row-normalized Cholesky factor of a damped inverse
+# covariance (calibrate.feedback_weights): about 1 in magnitude. A file's larger values are refused rather
+# than let the running values overflow.
+FEEDBACK_LIMIT = 64.0
+
+
+def check_feedback(feedback: torch.Tensor, head_dim: int, name: str = "k_feedback") -> torch.Tensor:
+    """Error-feedback weights: fp32 [..., head_dim, head_dim], finite, |w| <= FEEDBACK_LIMIT. Only the strict upper
+    triangle is read (entry [i, j], j > i: how much of channel i's rounding error channel j takes)."""
+    feedback = torch.as_tensor(feedback)
+    if feedback.dtype != torch.float32 or feedback.dim() < 2 or feedback.shape[-2:] != (head_dim, head_dim):
+        raise OscarInputError(f"{name} is {feedback.dtype} {tuple(feedback.shape)}: expected float32 "
+                              f"[..., {head_dim}, {head_dim}]")
+    check_finite(name, feedback)
+    if feedback.numel() and float(feedback.abs().max()) > FEEDBACK_LIMIT:
+        raise OscarInputError(f"{name} holds {float(feedback.abs().max()):g}: expected |weights| <= {FEEDBACK_LIMIT:g}")
+    return feedback
+
+
+def encode_feedback(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor,
+                    feedback: torch.Tensor) -> torch.Tensor:
+    """Codes [..., D] of vectors x [..., D] (groups' scale and zero [..., G]) with error feedback: channel by
+    channel in order, the code of the running value w_i as encode() picks it, then every later channel takes
+    w_j = w_j - (w_i - x_hat_i) * feedback[..., i, j], x_hat_i = zero + scale * level[code] (fp32, each product
+    and difference rounded on its own). feedback broadcasts against x's leading dimensions."""
+    *lead, d = x.shape
+    cd = d // scale.shape[-1]
+    s = scale.to(torch.float32).repeat_interleave(cd, -1)
+    z = zero.to(torch.float32).repeat_interleave(cd, -1)
+    levels = levels.to(x.device)
+    thr = thresholds(levels)
+    w = x.to(torch.float32).clone()
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    for i in range(d):
+        si, zi = s[..., i], z[..., i]
+        u = (w[..., i] - zi) / si
+        code = torch.where(si == 0, 0, (u.unsqueeze(-1) > thr).sum(-1))
+        codes[..., i] = code.to(torch.uint8)
+        if i + 1 < d:
+            error = w[..., i] - (zi + si * levels[code])
+            w[..., i + 1:] = w[..., i + 1:] - error.unsqueeze(-1) * feedback[..., i, i + 1:]
+    return codes
+
+
 def quantize(
     x: torch.Tensor,
     bits: int,
@@ -124,16 +168,22 @@ def quantize(
     clip: float = 1.0,
     levels: torch.Tensor | None = None,
     scale_dtype: str = "float16",
+    feedback: torch.Tensor | None = None,
 ) -> Quantized:
-    """Quantize fp32 vectors [..., head_dim] group by group and pack the codes."""
+    """Quantize fp32 vectors [..., head_dim] group by group and pack the codes. feedback ([..., head_dim, head_dim],
+    broadcasting against x's leading dimensions): codes chosen with error feedback (encode_feedback), scales and
+    zeros as without it."""
     if bits not in SUPPORTED_BITS:
         raise OscarInputError(f"bits={bits!r}: expected one of {SUPPORTED_BITS}")
     check_finite("input", x)
     levels = uniform_levels(bits) if levels is None else check_levels(levels, bits)
     groups = _groups(x.to(torch.float32), cluster_dim)
     scale, zero = group_scale_zero(groups, bits, clip, scale_dtype)
-    codes = encode(groups, scale, zero, levels)
-    return Quantized(pack_codes(codes.flatten(-2), bits), scale, zero)
+    if feedback is None:
+        codes = encode(groups, scale, zero, levels).flatten(-2)
+    else:
+        codes = encode_feedback(x, scale, zero, levels, check_feedback(feedback, x.shape[-1]))
+    return Quantized(pack_codes(codes, bits), scale, zero)
 
 
 def dequantize(

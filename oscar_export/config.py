@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, fields, replace
 SUPPORTED_BITS = (2, 3, 4)
 SUPPORTED_CLUSTER_DIMS = (32, 64, 128)
 CODEBOOKS = ("uniform", "lloyd-max")
+ROUNDINGS = ("nearest", "feedback")
 SCALE_DTYPES = ("float16", "bfloat16", "float32")
 
 
@@ -38,6 +39,9 @@ class OscarConfig:
     # chooses them). Empty: every layer has k_bits and k_clip. Given: k_bits is the narrowest width, the base.
     k_bits_by_layer: tuple[int, ...] = ()
     k_clip_by_layer: tuple[float, ...] = ()
+    # How K's codes are chosen: each element to its nearest level, or with the rounding errors fed forward to the
+    # later channels, weighted so the error lands where the queries read least (needs the calibration's k_feedback).
+    k_rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         # JSON gives lists; frozen fields are compared and hashed as tuples.
@@ -73,6 +77,10 @@ class OscarConfig:
             self.scale_dtype in SCALE_DTYPES,
             f"scale_dtype={self.scale_dtype!r}: expected one of {SCALE_DTYPES}",
         )
+        _check(self.k_rounding in ROUNDINGS, f"k_rounding={self.k_rounding!r}: expected one of {ROUNDINGS}")
+        # Lloyd-Max levels are the centroids of nearest rounding, not of rounding with feedback.
+        _check(self.k_rounding == "nearest" or self.codebook == "uniform",
+               f"k_rounding={self.k_rounding!r} with codebook={self.codebook!r}: expected codebook='uniform'")
         if self.k_bits_by_layer or self.k_clip_by_layer:
             self._check_by_layer()
 
@@ -132,12 +140,13 @@ class OscarConfig:
         return [self.layer(i) for i in range(count)]
 
     def describe(self) -> str:
-        """K2/V2, or K2 (3 in 16 of 30 layers)/V2."""
+        """K2/V2, K2 (3 in 16 of 30 layers)/V2, or either with ", K feedback"."""
+        feedback = ", K feedback" if self.k_rounding == "feedback" else ""
         if not self.mixed:
-            return f"K{self.k_bits}/V{self.v_bits}"
+            return f"K{self.k_bits}/V{self.v_bits}{feedback}"
         wider = sum(bits > self.k_bits for bits in self.k_bits_by_layer)
         top = max(self.k_bits_by_layer)
-        return f"K{self.k_bits} ({top} in {wider} of {len(self.k_bits_by_layer)} layers)/V{self.v_bits}"
+        return f"K{self.k_bits} ({top} in {wider} of {len(self.k_bits_by_layer)} layers)/V{self.v_bits}{feedback}"
 
     @property
     def scale_bytes(self) -> int:
@@ -177,11 +186,11 @@ def default_cluster_dim(head_dim: int | None) -> int:
 
 def with_metadata_defaults(fields: dict, metadata: dict | None) -> dict:
     """`fields` (OscarConfig fields, None where the user set none) completed by a rotation file's metadata: its
-    clip ratios and codebook, and the whole format when `calibrate --budget-bits` chose it (bits, group, windows,
-    per-layer K). A K width or clip the user gives holds for every layer, so the file's per-layer K then does not
-    apply."""
+    clip ratios, codebook and K rounding, and the whole format when `calibrate --budget-bits` chose it (bits, group,
+    windows, per-layer K). A K width or clip the user gives holds for every layer, so the file's per-layer K then
+    does not apply."""
     meta = metadata or {}
-    keys = ("k_clip", "v_clip", "codebook")
+    keys = ("k_clip", "v_clip", "codebook", "k_rounding")
     if meta.get("budget_bits") is not None:
         keys += ("k_bits", "v_bits", "cluster_dim", "sink", "recent")
         if fields.get("k_bits") is None and fields.get("k_clip") is None:

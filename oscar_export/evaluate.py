@@ -284,7 +284,7 @@ class EvalOscarKVCache(OscarKVCache):
         for kind, x in window.items():
             args = (cfg.bits(kind), cfg.cluster_dim)
             levels = self.levels[kind][layer]
-            codes = quantize(x.float(), *args, cfg.clip(kind), levels, cfg.scale_dtype)
+            codes = quantize(x.float(), *args, cfg.clip(kind), levels, cfg.scale_dtype, self.feedback_for(kind, layer))
             body[kind] = dequantize(*codes, *args, levels)
         return SequenceKV(self.rotate("k", layer, q), {kind: x.float() for kind, x in window.items()}, body,
                           cfg.sink, lambda out: self.unrotate_values(layer, out))
@@ -426,9 +426,10 @@ class Method:
     notes: list[str] = field(default_factory=list)
 
 
-def _oscar_factory(config, shape, k_rot=None, v_rot=None, k_levels=None, v_levels=None, cls=EvalOscarKVCache):
+def _oscar_factory(config, shape, k_rot=None, v_rot=None, k_levels=None, v_levels=None, cls=EvalOscarKVCache,
+                   k_feedback=None):
     layers, kv_heads, head_dim, _ = shape
-    return lambda n: cls(config, layers, kv_heads, head_dim, n, k_rot, v_rot, k_levels, v_levels)
+    return lambda n: cls(config, layers, kv_heads, head_dim, n, k_rot, v_rot, k_levels, v_levels, k_feedback=k_feedback)
 
 
 def _levels_for(levels, bits: int):
@@ -437,10 +438,11 @@ def _levels_for(levels, bits: int):
 
 def oscar_from_rotations(rotations, config: OscarConfig, shape, source: str, label: str | None = None,
                          name: str = "oscar") -> Method:
-    """The `oscar` method from a RotationSet-like object (.k, .v, .k_levels, .v_levels, .metadata).
+    """The `oscar` method from a RotationSet-like object (.k, .v, .k_levels, .v_levels, .k_feedback, .metadata).
 
     Its clip ratios (and codebook, when Lloyd-Max levels for these bits are present) come from the
-    metadata; what the metadata does not give comes from `config`.
+    metadata; what the metadata does not give comes from `config`. K rounding with feedback needs the
+    object's k_feedback.
     """
     meta = getattr(rotations, "metadata", None) or {}
     notes = []
@@ -459,8 +461,12 @@ def oscar_from_rotations(rotations, config: OscarConfig, shape, source: str, lab
         if meta.get(key) is not None and meta[key] != getattr(config, key):
             notes.append(f"{source} was calibrated for {key}={meta[key]}; evaluated at {getattr(config, key)}")
     cfg = replace(config, **changes)
-    return Method(name, cfg, _oscar_factory(cfg, shape, rotations.k, rotations.v, k_levels, v_levels),
-                  label or f"file {source}", notes)
+    feedback = getattr(rotations, "k_feedback", None) if cfg.k_rounding == "feedback" else None
+    if cfg.k_rounding == "feedback" and feedback is None:
+        raise OscarInputError(f"k_rounding='feedback' needs K's feedback weights: {source} has none (expected a "
+                              f"rotation file from oscar-export calibrate)")
+    return Method(name, cfg, _oscar_factory(cfg, shape, rotations.k, rotations.v, k_levels, v_levels,
+                                            k_feedback=feedback), label or f"file {source}", notes)
 
 
 @dataclass
@@ -470,6 +476,7 @@ class _Calibrated:
     k_levels: torch.Tensor | None
     v_levels: torch.Tensor | None
     metadata: dict
+    k_feedback: torch.Tensor | None = None
 
 
 def method_config(spec: str, config: OscarConfig) -> tuple[str, OscarConfig]:
@@ -510,7 +517,7 @@ def _oscar_method(model, tokenizer, spec, config, shape, rotations, calibration,
     result = fit_quantizer(fitted, config, lloyd_max=config.codebook == "lloyd-max")
     meta = {"k_clip": result["k_clip"], "v_clip": result["v_clip"], "codebook": config.codebook}
     calibrated = _Calibrated(result["k_rotation"], result["v_rotation"], result.get("k_levels"),
-                             result.get("v_levels"), meta)
+                             result.get("v_levels"), meta, result["k_feedback"])
     method = oscar_from_rotations(calibrated, config, shape, "calibration", "calibrated", spec)
     method.notes.append(f"clip K {result['k_clip']:g}, V {result['v_clip']:g} (searched on the held-out "
                         f"calibration tokens)")
@@ -522,7 +529,8 @@ def build_methods(model, tokenizer, names: Sequence[str], config: OscarConfig, r
                   calibration_heldout: int = 512, match_clip: bool = False, per_head: bool = False) -> list[Method]:
     """Method objects for the specs `names` (see method_config), in that order.
 
-    Baselines use the uniform codebook; `oscar` takes its clip ratios (and Lloyd-Max levels) from the
+    Baselines use the uniform codebook and nearest rounding (feedback weights come from calibration data they do
+    not have); `oscar` takes its clip ratios (and Lloyd-Max levels, K feedback weights) from the
     rotation file or the calibration, which fits the rotations once for every bit width. match_clip:
     the quantized baselines use the first oscar method's clip ratios too, so only the rotation (or
     KIVI's grouping) differs. per_head: calibrated oscar fits one rotation per KV head.
@@ -542,7 +550,7 @@ def build_methods(model, tokenizer, names: Sequence[str], config: OscarConfig, r
         clips = {"k_clip": first.k_clip, "v_clip": first.v_clip}
     methods = []
     for spec, name, cfg in specs:
-        base = replace(cfg, codebook="uniform", **clips)
+        base = replace(cfg, codebook="uniform", k_rounding="nearest", **clips)
         if name == "fp16":
             methods.append(Method(spec, None, lambda n: Fp16Cache(layers, kv_heads, head_dim, n), "none"))
         elif name == "naive":

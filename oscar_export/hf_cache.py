@@ -110,7 +110,7 @@ class OscarCache(Cache):
         layers, kv_heads, head_dim, _ = attention_shape(model)
         if not max_context:
             max_context = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 4096
-        k_rot = v_rot = k_levels = v_levels = None
+        k_rot = v_rot = k_levels = v_levels = k_feedback = None
         self.online = rotations == "online"
         self.observer = None  # called as observer(layer, q, k, v, scaling, out) after every attention (parity)
         if rotations == "hadamard":
@@ -120,8 +120,18 @@ class OscarCache(Cache):
             k_levels, v_levels = rotations.k_levels, rotations.v_levels
             if config.codebook == "uniform":
                 k_levels = v_levels = None
+            if config.k_rounding == "feedback":
+                k_feedback = rotations.k_feedback
+        if config.k_rounding == "feedback" and k_feedback is None:
+            given = f"rotations={rotations!r}" if isinstance(rotations, str) else "a rotation set without k_feedback"
+            raise OscarInputError("k_rounding='feedback' needs K's feedback weights: expected a rotation file from "
+                                  f"oscar-export calibrate, not {given}")
+        if config.k_rounding == "feedback" and self.backend == "triton":
+            raise OscarInputError("k_rounding='feedback': the Triton kernels round K to the nearest level only: "
+                                  "expected backend='reference' or k_rounding='nearest'")
         self.kv = OscarKVCache(
-            config, layers, kv_heads, head_dim, max_context, k_rot, v_rot, k_levels, v_levels, device=model.device
+            config, layers, kv_heads, head_dim, max_context, k_rot, v_rot, k_levels, v_levels, device=model.device,
+            k_feedback=k_feedback,
         )
         super().__init__(layers=[OscarCacheLayer(self, i) for i in range(layers)])
         _set_target(model, self)
@@ -213,8 +223,8 @@ def patch_model_for_kv_quant(
 
     rotations: "online" (estimated from each prompt, no calibration file), "hadamard"
     (data-free), "none", a rotation file path, or a RotationSet. Extra keyword arguments are
-    OscarConfig fields (k_clip, v_clip, sink, recent, codebook, ...); a rotation file's clip
-    ratios and codebook apply unless given here. backend="triton" decodes with the Triton
+    OscarConfig fields (k_clip, v_clip, sink, recent, codebook, k_rounding, ...); a rotation file's clip
+    ratios, codebook and K rounding apply unless given here. backend="triton" decodes with the Triton
     kernels (CUDA, or the interpreter with TRITON_INTERPRET=1).
     """
     if backend not in BACKENDS:
@@ -222,7 +232,7 @@ def patch_model_for_kv_quant(
     resolved = resolve_rotations(rotations, model)
     if resolved not in ROTATION_MODES:
         meta = resolved.metadata
-        for key in ("k_clip", "v_clip", "codebook"):
+        for key in ("k_clip", "v_clip", "codebook", "k_rounding"):
             if key in meta and meta[key] is not None:
                 config.setdefault(key, meta[key])
         config = {k: v for k, v in config.items()}

@@ -2,8 +2,9 @@
 
 Our format is one safetensors file holding `k_rotation` and `v_rotation` (fp32
 [layers, D, D] per layer, or [layers, kv_heads, D, D] per KV head), optional `k_levels`,
-`v_levels` (Lloyd-Max levels in code units, [layers, 2**bits]) and optional `k_eigenvalues`,
-`v_eigenvalues` (the rotation's leading shape without the last D). The header metadata holds
+`v_levels` (Lloyd-Max levels in code units, [layers, 2**bits]), optional `k_eigenvalues`,
+`v_eigenvalues` (the rotation's leading shape without the last D) and optional `k_feedback` (K's
+error-feedback weights, fp32 [layers, kv_heads, D, D], for k_rounding 'feedback'). The header metadata holds
 `format_version` "1" and the set's metadata as JSON under `oscar`.
 
 RotationZoo files are pickled dicts, one for K and one for V, each with its own objective:
@@ -25,19 +26,19 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .codec import check_finite, check_levels
+from .codec import check_feedback, check_finite, check_levels
 from .config import SUPPORTED_BITS, OscarConfig, OscarInputError
 from .rotations import max_orthogonality_error, orthogonality_errors
 
 FORMAT_VERSION = "1"
 ORTHOGONALITY_TOLERANCE = 1e-4
 KINDS = ("k", "v")
-TENSOR_NAMES = ("k_rotation", "v_rotation", "k_levels", "v_levels", "k_eigenvalues", "v_eigenvalues")
+TENSOR_NAMES = ("k_rotation", "v_rotation", "k_levels", "v_levels", "k_eigenvalues", "v_eigenvalues", "k_feedback")
 ZOO_KEYS = ("format_version", "objective", "source_grouping", "layers")
 ZOO_LAYER_KEYS = ("rotation", "eigenvalues")
 ZOO_VERSIONS = (1, 2)
 CONFIG_METADATA = ("k_bits", "v_bits", "cluster_dim", "k_clip", "v_clip", "codebook", "k_bits_by_layer",
-                   "k_clip_by_layer")
+                   "k_clip_by_layer", "k_rounding")
 # Our calibration (R = U.H.P_br, K on the query covariance, V score-weighted) in the reference's names.
 ZOO_OBJECTIVES = {"k": "qqt_h_pbr", "v": "sst_h_pbr"}
 
@@ -53,6 +54,7 @@ class RotationSet:
     v_levels: torch.Tensor | None = None
     k_eigenvalues: torch.Tensor | None = None
     v_eigenvalues: torch.Tensor | None = None
+    k_feedback: torch.Tensor | None = None  # [layers, kv_heads, D, D]
 
     @property
     def layers(self) -> int:
@@ -68,7 +70,12 @@ class RotationSet:
 
     @property
     def kv_heads(self) -> int | None:
-        return self.k.shape[1] if self.per_head else None
+        """The KV heads the file is made for: per-head rotations or feedback weights say; None for per-layer
+        rotations alone, which serve any KV head."""
+        if self.per_head:
+            return self.k.shape[1]
+        return self.k_feedback.shape[1] if isinstance(self.k_feedback, torch.Tensor) and self.k_feedback.dim() == 4 \
+            else None
 
 
 def _where(index) -> str:
@@ -160,6 +167,20 @@ def _check_set(rs: RotationSet, name: str) -> None:
         for i, row in enumerate(levels):
             check_levels(row, levels.shape[1].bit_length() - 1, f"{name}: {kind}_levels[{i}]")
 
+    feedback = rs.k_feedback
+    rounding = rs.metadata.get("k_rounding")
+    if rounding == "feedback" and feedback is None:
+        raise OscarInputError(f"{name}: k_rounding 'feedback' but no k_feedback: expected the weights calibration "
+                              f"writes (oscar-export calibrate)")
+    if feedback is not None:
+        heads = rs.k.shape[1] if rs.per_head else None
+        if (not isinstance(feedback, torch.Tensor) or feedback.dtype != torch.float32 or feedback.dim() != 4
+                or feedback.shape[0] != rs.layers or feedback.shape[2:] != (rs.head_dim, rs.head_dim)
+                or 0 in feedback.shape or heads not in (None, feedback.shape[1])):
+            raise OscarInputError(f"{name}: k_feedback is {_describe(feedback)}: expected float32 "
+                                  f"[{rs.layers}, {heads or 'kv_heads'}, {rs.head_dim}, {rs.head_dim}]")
+        check_feedback(feedback, rs.head_dim, f"{name}: k_feedback")
+
     for kind in KINDS:
         values = getattr(rs, f"{kind}_eigenvalues")
         if values is None:
@@ -220,7 +241,8 @@ def save_rotations(path, rotation_set: RotationSet) -> None:
         header = {"format_version": FORMAT_VERSION, "oscar": json.dumps(metadata, sort_keys=True, allow_nan=False)}
     except (TypeError, ValueError) as err:
         raise OscarInputError(f"rotation set for {path}: metadata is not JSON ({err}): expected plain values") from None
-    named = dict(zip(TENSOR_NAMES, (rs.k, rs.v, rs.k_levels, rs.v_levels, rs.k_eigenvalues, rs.v_eigenvalues)))
+    named = dict(zip(TENSOR_NAMES, (rs.k, rs.v, rs.k_levels, rs.v_levels, rs.k_eigenvalues, rs.v_eigenvalues,
+                                    rs.k_feedback)))
     # Own contiguous copies: safetensors refuses views and tensors that share memory (K and V may be one tensor).
     tensors = {
         name: t.detach().clone(memory_format=torch.contiguous_format) for name, t in named.items() if t is not None

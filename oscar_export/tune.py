@@ -57,7 +57,8 @@ class Candidate:
                 "perplexity": None if self.perplexity is None else round(self.perplexity, 4)}
 
 
-def candidates(budget: float, context: int, head_dim: int, codebook: str = "uniform") -> list[Candidate]:
+def candidates(budget: float, context: int, head_dim: int, codebook: str = "uniform", k_rounding: str = "nearest"
+               ) -> list[Candidate]:
     """Every format within `budget` bits per element at `context` (the largest windows per bits and group)."""
     found, cheapest = [], None
     for k_bits in SUPPORTED_BITS:
@@ -67,7 +68,7 @@ def candidates(budget: float, context: int, head_dim: int, codebook: str = "unif
                     continue
                 for sink, recent in WINDOWS:
                     config = OscarConfig(k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, sink=sink,
-                                         recent=recent, codebook=codebook)
+                                         recent=recent, codebook=codebook, k_rounding=k_rounding)
                     candidate = Candidate(config, bits_per_element(config, head_dim, context))
                     if cheapest is None or candidate.bits < cheapest.bits:
                         cheapest = candidate
@@ -82,12 +83,13 @@ def candidates(budget: float, context: int, head_dim: int, codebook: str = "unif
     return found
 
 
-def budget_candidates(budget: float, context: int, head_dim: int, lloyd_max: bool = False) -> list[Candidate]:
+def budget_candidates(budget: float, context: int, head_dim: int, lloyd_max: bool = False,
+                      k_rounding: str = "nearest") -> list[Candidate]:
     """The one-width formats choose() searches under `budget`, or the error that says none fits. Arithmetic only,
     so run_calibration asks before its rotation fit rather than after it."""
     if not budget > 0:
         raise OscarInputError(f"--budget-bits {budget}: expected a positive number of bits per element")
-    return candidates(budget, context, head_dim, "lloyd-max" if lloyd_max else "uniform")
+    return candidates(budget, context, head_dim, "lloyd-max" if lloyd_max else "uniform", k_rounding)
 
 
 def retrieval_probe(ids):
@@ -135,7 +137,8 @@ def _nll(model, ids, config: OscarConfig, quantizer: dict, fitted: dict):
 
     cache = EvalOscarKVCache(config, fitted["layers"], fitted["kv_heads"], fitted["head_dim"], len(ids),
                              quantizer["k_rotation"], quantizer["v_rotation"], quantizer.get("k_levels"),
-                             quantizer.get("v_levels"))
+                             quantizer.get("v_levels"),
+                             k_feedback=quantizer["k_feedback"] if config.k_rounding == "feedback" else None)
     with torch.no_grad():
         return token_nll(model, ids, cache, CHUNK, max(config.sink + config.recent, CHUNK))
 
@@ -170,13 +173,13 @@ def wider_clips(clip: float, count: int = WIDER_CLIPS) -> list[float]:
 
 
 def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: int, lloyd_max: bool = False,
-           shortlist: int = SHORTLIST) -> tuple[Candidate, list[Candidate]]:
+           shortlist: int = SHORTLIST, k_rounding: str = "nearest") -> tuple[Candidate, list[Candidate]]:
     """The chosen candidate and every candidate considered (attention error for the one-width ones, perplexity
     for their shortlist and the mixed-K ones), from a rotation fit (calibrate.fit_rotations) and its
     calibration text."""
     from .calibrate import _tokens_from_text, clip_errors, fit_quantizer
 
-    found = budget_candidates(budget, context, fitted["head_dim"], lloyd_max)
+    found = budget_candidates(budget, context, fitted["head_dim"], lloyd_max, k_rounding)
     for c in found:
         c.quantizer = fit_quantizer(fitted, c.config, lloyd_max)
         c.config = replace(c.config, k_clip=c.quantizer["k_clip"], v_clip=c.quantizer["v_clip"])
@@ -201,7 +204,8 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
         return best, considered  # Lloyd-Max levels are fitted at one width; nothing wider than 4 bits
     clips = {}
     for bits in range(best.config.k_bits + 1, max(SUPPORTED_BITS) + 1):
-        errors = clip_errors(fitted["heldout"], fitted["rotations"], replace(best.config, k_bits=bits), "k")
+        errors = clip_errors(fitted["heldout"], fitted["rotations"], replace(best.config, k_bits=bits), "k",
+                             feedback=fitted["k_feedback"] if k_rounding == "feedback" else None)
         clips[bits] = min(errors, key=errors.get)
     widest = max(clips)
     gains = layer_gains(model, probe, fitted, best, clips[widest], widest)

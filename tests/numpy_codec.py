@@ -7,8 +7,10 @@ import numpy as np
 NP_SCALE = {"float16": np.float16, "float32": np.float32}
 
 
-def quantize_vector(x, bits: int, cluster_dim: int, clip: float, levels=None, scale_dtype: str = "float16"):
-    """One vector -> (packed bytes, scales, zeros), following the written rules literally."""
+def quantize_vector(x, bits: int, cluster_dim: int, clip: float, levels=None, scale_dtype: str = "float16",
+                    feedback=None):
+    """One vector -> (packed bytes, scales, zeros), following the written rules literally. feedback [D, D]: the
+    codes with error feedback (format.md section 3, step 5), channel by channel."""
     x = np.asarray(x, dtype=np.float32)
     n_levels = 2**bits
     lv = np.arange(n_levels, dtype=np.float32) if levels is None else np.asarray(levels, dtype=np.float32)
@@ -33,6 +35,9 @@ def quantize_vector(x, bits: int, cluster_dim: int, clip: float, levels=None, sc
             codes.append(sum(1 for t in thr if u > t))
         scales.append(scale)
         zeros.append(zero)
+    if feedback is not None:
+        codes = _codes_with_feedback(x, np.array(scales, dtype=sdt), np.array(zeros, dtype=sdt), cluster_dim, lv, thr,
+                                     np.asarray(feedback, dtype=np.float32))
     bitstream = 0
     for i, c in enumerate(codes):
         bitstream |= c << (bits * i)
@@ -43,3 +48,18 @@ def quantize_vector(x, bits: int, cluster_dim: int, clip: float, levels=None, sc
 def unpack_vector(packed, bits: int, count: int) -> list[int]:
     stream = int.from_bytes(bytes(np.asarray(packed, dtype=np.uint8)), "little")
     return [(stream >> (bits * i)) & (2**bits - 1) for i in range(count)]
+
+
+def _codes_with_feedback(x, scales, zeros, cluster_dim, lv, thr, feedback):
+    """Step 5 with feedback: the running value w_i gets its code as above; its error, times the weight [i, j],
+    is taken off every later w_j."""
+    w = [np.float32(v) for v in x]
+    codes = []
+    for i in range(len(w)):
+        s, z = np.float32(scales[i // cluster_dim]), np.float32(zeros[i // cluster_dim])
+        code = 0 if s == 0 else sum(1 for t in thr if np.float32(np.float32(w[i] - z) / s) > t)
+        codes.append(code)
+        error = np.float32(w[i] - np.float32(z + np.float32(s * lv[code])))
+        for j in range(i + 1, len(w)):
+            w[j] = np.float32(w[j] - np.float32(error * feedback[i, j]))
+    return codes

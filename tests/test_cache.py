@@ -194,3 +194,42 @@ def test_per_layer_key_bits_round_trip_and_refuse_what_they_cannot_be():
             OscarConfig(**fields)
     with pytest.raises(OscarInputError, match="k_bits_by_layer has 4 entries: expected one per layer, 3"):
         OscarKVCache(MIXED, 3, HKV, D, 16)
+
+
+def test_feedback_rounding_chooses_k_codes_with_the_layer_and_head_weights():
+    """With k_rounding='feedback' a body row's K codes are codec.quantize of its fp16 value with its layer's and KV
+    head's weights, whether it arrived in a prefill or left the ring later; V, scales and zeros are as without."""
+    gen = torch.Generator().manual_seed(6)
+    weights = torch.triu(torch.randn(2, HKV, D, D, generator=gen) * 0.3, 1)
+    config = OscarConfig(k_rounding="feedback", k_clip=0.85, sink=3, recent=5)
+    rot = torch.stack([signed_permutation(i) for i in range(2)])
+    cache = OscarKVCache(config, 2, HKV, D, 40, rot, rot, k_feedback=weights)
+    plain = OscarKVCache(OscarConfig(k_clip=0.85, sink=3, recent=5), 2, HKV, D, 40, rot, rot)
+    q = torch.randn(HQ, 30, D, generator=gen)
+    k, v = torch.randn(HKV, 30, D, generator=gen), torch.randn(HKV, 30, D, generator=gen)
+    for c in (cache, plain):
+        c.attend(1, q[:, :20], k[:, :20], v[:, :20])
+        for t in range(20, 30):  # decode steps: rows leave the ring one by one
+            c.attend(1, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1])
+    body = (k[:, 3:25] @ rot[1]).to(torch.float16).float()
+    want = quantize(body, 2, D, 0.85, feedback=weights[1][:, None])
+    assert torch.equal(cache.codes["k"][1][:, :22], want.codes)
+    assert not torch.equal(cache.codes["k"][1], plain.codes["k"][1])
+    for kind, region in (("k", "scale"), ("k", "zero"), ("v", "scale"), ("v", "zero")):
+        assert torch.equal(getattr(cache, region)[kind], getattr(plain, region)[kind])
+    assert torch.equal(cache.codes["v"][1], plain.codes["v"][1])
+
+
+def test_feedback_weights_exactly_with_feedback_rounding():
+    weights = torch.zeros(2, HKV, D, D)
+    with pytest.raises(OscarInputError, match="k_feedback absent but k_rounding='feedback'"):
+        OscarKVCache(OscarConfig(k_rounding="feedback"), 2, HKV, D, 16)
+    with pytest.raises(OscarInputError, match="k_feedback given but k_rounding='nearest'"):
+        OscarKVCache(OscarConfig(), 2, HKV, D, 16, k_feedback=weights)
+    with pytest.raises(OscarInputError, match=r"k_feedback has shape \(2, 1, 64, 64\): expected \(2, 2, 64, 64\)"):
+        OscarKVCache(OscarConfig(k_rounding="feedback"), 2, HKV, D, 16, k_feedback=weights[:, :1])
+    with pytest.raises(OscarInputError, match="k_rounding='feedback' with codebook='lloyd-max': expected codebook"):
+        OscarConfig(k_rounding="feedback", codebook="lloyd-max")
+    with pytest.raises(OscarInputError, match="k_rounding='up': expected one of"):
+        OscarConfig(k_rounding="up")
+    assert OscarConfig(k_rounding="feedback").describe() == "K2/V2, K feedback"

@@ -3,9 +3,13 @@ import torch
 
 from oscar_export.calibrate import (
     CLIP_CANDIDATES,
+    FEEDBACK_DAMPING,
     ObjectiveAccumulators,
     calibrate,
     clip_errors,
+    feedback_weights,
+    fit_quantizer,
+    fit_rotations,
     query_covariance,
     value_weights,
 )
@@ -117,6 +121,33 @@ def test_calibrate_every_family(family):
         curve = result[f"{kind}_clip_errors"]
         assert sorted(curve) == sorted(CLIP_CANDIDATES) and min(CLIP_CANDIDATES) <= 0.5
         assert result[f"{kind}_clip"] == min(curve, key=curve.get)
+
+
+def test_feedback_weights_are_the_obs_update():
+    """Channel 0's weights are the optimal-brain-surgeon update of the damped covariance in the rotated space,
+    H^-1[0, j] / H^-1[0, 0]; a covariance with no cross terms feeds nothing forward; only j > i is set."""
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(3, 16, 16, generator=gen, dtype=torch.float64)
+    q_cov, rot = a @ a.transpose(1, 2) / 16, torch.linalg.qr(torch.randn(16, 16, generator=gen))[0]
+    weights = feedback_weights(q_cov, rot)
+    h = rot.double().T @ q_cov @ rot.double()
+    h = h + FEEDBACK_DAMPING * h.diagonal(dim1=1, dim2=2).mean(-1)[:, None, None] * torch.eye(16, dtype=torch.float64)
+    inv = torch.linalg.inv(h)
+    assert torch.allclose(weights[:, 0, 1:].double(), inv[:, 0, 1:] / inv[:, :1, 0], rtol=1e-4, atol=1e-6)
+    assert torch.equal(weights, torch.triu(weights, 1)) and weights.dtype == torch.float32
+    diagonal = torch.diag_embed(torch.rand(3, 16, generator=gen, dtype=torch.float64) + 0.1)
+    assert torch.count_nonzero(feedback_weights(diagonal, torch.eye(16))) == 0
+
+
+def test_calibration_fits_feedback_weights_and_searches_the_clip_with_them():
+    model = tiny_model("llama")
+    fitted = fit_rotations(model, ByteTokenizer(), TEXT, tokens=600, heldout_tokens=200, window=256)
+    assert fitted["k_feedback"].shape == (2, 2, 64, 64)  # per layer and KV head, even with per-layer rotations
+    nearest = fit_quantizer(fitted, OscarConfig())
+    with_feedback = fit_quantizer(fitted, OscarConfig(k_rounding="feedback"))
+    assert with_feedback["v_clip_errors"] == nearest["v_clip_errors"]  # V is rounded to nearest either way
+    assert with_feedback["k_clip_errors"] != nearest["k_clip_errors"]
+    assert min(with_feedback["k_clip_errors"].values()) < min(nearest["k_clip_errors"].values())
 
 
 def test_calibrated_rotation_lowers_attention_error_on_anisotropic_keys():

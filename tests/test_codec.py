@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from numpy_codec import quantize_vector
+from oscar_export.calibrate import feedback_weights
 from oscar_export.codec import (
     dequantize,
     fit_lloyd_max_levels,
@@ -81,6 +82,62 @@ def test_matches_numpy_port(bits, cluster_dim):
             assert q.codes[row].tolist() == codes.tolist()
             assert q.scale[row].tolist() == scales.astype("float32").tolist()
             assert q.zero[row].tolist() == zeros.astype("float32").tolist()
+
+
+def skewed_covariance(d: int, seed: int) -> torch.Tensor:
+    """A query covariance whose few leading directions hold most of the energy, as real models' do."""
+    g = torch.Generator().manual_seed(seed)
+    basis, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    return basis @ torch.diag(torch.logspace(0, -4, d, dtype=torch.float64)) @ basis.T
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("cluster_dim", [32, 64, 128])
+def test_feedback_matches_numpy_port(bits, cluster_dim):
+    gen = torch.Generator().manual_seed(bits * 100 + cluster_dim)
+    x = torch.randn(4, 128, generator=gen) * torch.logspace(-2, 2, 4).unsqueeze(1)
+    x[1, :cluster_dim] = 0.25  # a constant group: scale 0, its errors still fed forward
+    weights = feedback_weights(skewed_covariance(128, bits)[None], torch.eye(128))[0]
+    for clip in (1.0, 0.85):
+        q = quantize(x, bits, cluster_dim, clip, feedback=weights)
+        plain = quantize(x, bits, cluster_dim, clip)
+        assert torch.equal(q.scale, plain.scale) and torch.equal(q.zero, plain.zero)  # only the codes change
+        assert not torch.equal(q.codes, plain.codes)
+        for row in range(x.shape[0]):
+            codes, _, _ = quantize_vector(x[row].numpy(), bits, cluster_dim, clip, feedback=weights.numpy())
+            assert q.codes[row].tolist() == codes.tolist()
+
+
+def test_zero_feedback_is_nearest_rounding():
+    x = torch.randn(50, 64, generator=torch.Generator().manual_seed(2))
+    for got, want in zip(quantize(x, 2, 32, 0.9, feedback=torch.zeros(64, 64)), quantize(x, 2, 32, 0.9)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_feedback_cuts_the_error_the_queries_see(bits):
+    """What the feedback is for: the query-weighted error (x - x_hat)^T H (x - x_hat) falls well below that of
+    nearest rounding, while the plain squared error grows (the error moves where the queries do not read)."""
+    h = skewed_covariance(64, 7)
+    x = torch.randn(2000, 64, generator=torch.Generator().manual_seed(8))
+    weights = feedback_weights(h[None], torch.eye(64))[0]
+
+    def errors(**kwargs):
+        e = (dequantize(*quantize(x, bits, 64, **kwargs), bits, 64) - x).double()
+        return float(((e @ h) * e).sum(-1).mean()), float(e.pow(2).sum(-1).mean())
+
+    (seen_fb, plain_fb), (seen, plain) = errors(feedback=weights), errors()
+    assert seen_fb < 0.5 * seen and plain_fb > plain
+
+
+def test_bad_feedback_weights():
+    x = torch.randn(2, 64)
+    with pytest.raises(OscarInputError, match=r"k_feedback is torch.float32 \(64, 32\): expected float32 \[..., 64, 64\]"):
+        quantize(x, 2, 64, feedback=torch.zeros(64, 32))
+    with pytest.raises(OscarInputError, match="k_feedback contains inf"):
+        quantize(x, 2, 64, feedback=torch.full((64, 64), float("inf")))
+    with pytest.raises(OscarInputError, match=r"k_feedback holds 100: expected \|weights\| <= 64"):
+        quantize(x, 2, 64, feedback=torch.full((64, 64), 100.0))
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])

@@ -259,7 +259,7 @@ def test_save_load_with_levels_and_eigenvalues(tmp_path):
     save_rotations(path, rs)
     with safe_open(str(path), framework="pt") as f:
         header = f.metadata()
-        assert set(f.keys()) == set(rotation_files.TENSOR_NAMES)
+        assert set(f.keys()) == set(rotation_files.TENSOR_NAMES) - {"k_feedback"}
     assert header["format_version"] == "1"
     assert json.loads(header["oscar"]) == {**rs.metadata, "layers": LAYERS, "head_dim": D, "kv_heads": None}
 
@@ -271,6 +271,40 @@ def test_save_load_with_levels_and_eigenvalues(tmp_path):
     report = check_report(path)
     assert (report["layers"], report["head_dim"], report["per_head"], report["kv_heads"]) == (LAYERS, D, False, None)
     assert report["max_orthogonality_error"] < 1e-5 and report["metadata"]["model"] == "tiny"
+
+
+def feedback_weights(seed, heads=HEADS, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.triu(torch.randn(LAYERS, heads, D, D, generator=g), 1) * scale
+
+
+def test_feedback_weights_round_trip_and_fix_the_kv_heads(tmp_path):
+    path = tmp_path / "fb.safetensors"
+    weights = feedback_weights(1)
+    rs = RotationSet(k=orthogonal(1, LAYERS), v=orthogonal(2, LAYERS), metadata={"k_rounding": "feedback"},
+                     k_feedback=weights)
+    save_rotations(path, rs)
+    back = load_rotations(path, layers=LAYERS, head_dim=D, kv_heads=HEADS)
+    assert torch.equal(back.k_feedback, weights) and back.metadata["k_rounding"] == "feedback"
+    assert check_report(path)["kv_heads"] == HEADS  # per-layer rotations, but the weights are per KV head
+    with pytest.raises(OscarInputError, match="fb.safetensors: kv_heads=2 in the file: expected kv_heads=4"):
+        load_rotations(path, kv_heads=4)
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"metadata": {"k_rounding": "feedback"}}, "k_rounding 'feedback' but no k_feedback"),
+    ({"k_feedback": feedback_weights(1)[:, :, :4]}, "k_feedback is a float32 tensor of shape (3, 2, 4, 8)"),
+    ({"k_feedback": feedback_weights(1).double()}, "k_feedback is a float64 tensor"),
+    ({"k_feedback": feedback_weights(1, scale=100.0)}, "expected |weights| <= 64"),
+    ({"k_feedback": feedback_weights(1) * float("nan")}, "k_feedback contains NaN"),
+    ({"metadata": {"k_rounding": "stochastic"}}, "metadata k_rounding='stochastic': expected one of"),
+])
+def test_bad_feedback_weights_are_refused(tmp_path, kwargs, needle):
+    with pytest.raises(OscarInputError) as err:
+        save_rotations(tmp_path / "fb.safetensors", RotationSet(k=orthogonal(1, LAYERS), v=orthogonal(2, LAYERS),
+                                                                **kwargs))
+    assert needle in str(err.value)
+    assert not (tmp_path / "fb.safetensors").exists()
 
 
 def test_shared_k_v_tensor_saves(tmp_path):

@@ -8,8 +8,8 @@ import os
 from pathlib import Path
 
 from ..calibrations import DEFAULT_TOKENS
-from ..config import (SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError, default_cluster_dim,
-                      with_metadata_defaults)
+from ..config import (ROUNDINGS, SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError,
+                      default_cluster_dim, with_metadata_defaults)
 
 
 class Parser(argparse.ArgumentParser):
@@ -75,6 +75,10 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
                    help=f"fraction of each K group's range kept (default: a rotation file's, else {defaults.k_clip})")
     g.add_argument("--v-clip", type=float,
                    help=f"fraction of each V group's range kept (default: a rotation file's, else {defaults.v_clip})")
+    g.add_argument("--k-rounding", choices=ROUNDINGS,
+                   help=f"how K codes are chosen: nearest level, or feedback (rounding errors moved to the "
+                        f"directions queries read least; needs a calibrated rotation file) (default: a rotation "
+                        f"file's, else {defaults.k_rounding})")
     g.add_argument("--sink", type=_count,
                    help=f"fp16 sink tokens (default: a budget-chosen rotation file's, else {defaults.sink})")
     g.add_argument("--recent", type=_count,
@@ -85,7 +89,8 @@ def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = 
     """The cache flags; what a rotation file's metadata carries (config.with_metadata_defaults) applies where a flag
     is unset, then the defaults."""
     fields = {"k_bits": args.k_bits or args.bits, "v_bits": args.v_bits or args.bits, "cluster_dim": args.cluster_dim,
-              "k_clip": args.k_clip, "v_clip": args.v_clip, "sink": args.sink, "recent": args.recent}
+              "k_clip": args.k_clip, "v_clip": args.v_clip, "sink": args.sink, "recent": args.recent,
+              "k_rounding": args.k_rounding}
     fields = with_metadata_defaults(fields, rotation_metadata)
     if fields["cluster_dim"] is None:
         from ..models import model_shape

@@ -126,6 +126,8 @@ class OscarCausalLM(nn.Module):
                                   "expected 'hadamard', 'none' or a rotation file (oscar-export calibrate)")
         if config.scale_dtype != "float16":
             raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected 'float16', the exported op's format")
+        if config.k_rounding != "nearest":
+            raise OscarInputError(f"k_rounding={config.k_rounding!r}: expected 'nearest', the exported op's rounding")
         layers, kv_heads, head_dim, _ = attention_shape(model)
         config.check_head_dim(head_dim)
         config.check_layers(layers)
