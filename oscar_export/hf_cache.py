@@ -126,9 +126,6 @@ class OscarCache(Cache):
             given = f"rotations={rotations!r}" if isinstance(rotations, str) else "a rotation set without k_feedback"
             raise OscarInputError("k_rounding='feedback' needs K's feedback weights: expected a rotation file from "
                                   f"oscar-export calibrate, not {given}")
-        if config.k_rounding == "feedback" and self.backend == "triton":
-            raise OscarInputError("k_rounding='feedback': the Triton kernels round K to the nearest level only: "
-                                  "expected backend='reference' or k_rounding='nearest'")
         self.kv = OscarKVCache(
             config, layers, kv_heads, head_dim, max_context, k_rot, v_rot, k_levels, v_levels, device=model.device,
             k_feedback=k_feedback,
@@ -146,7 +143,9 @@ class OscarCache(Cache):
             # Online mode: the prompt's own Q/K/V estimate this layer's rotations, then they are frozen.
             self.kv.set_rotation(layer, *online_rotations(q, k, v))
         if self.backend == "triton" and q.shape[1] == 1:
-            out = self._triton.triton_decode_attend(self.kv, layer, q, k, v, scaling, append="triton")
+            # The Triton quantize kernel rounds to the nearest level; feedback rounding appends through the reference.
+            append = "triton" if self.kv.config.k_rounding == "nearest" else "reference"
+            out = self._triton.triton_decode_attend(self.kv, layer, q, k, v, scaling, append=append)
         else:
             out = self.kv.attend(layer, q, k, v, scaling)
         if self.observer is not None:

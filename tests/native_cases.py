@@ -9,7 +9,7 @@ reference cache after the last chunk.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +27,7 @@ KINDS = ("k", "v")
 REGIONS = ("sink", "recent", "codes", "scale", "zero")
 # Cache buffers in the op's input order (after q, k_new, v_new).
 CACHE_INPUTS = ("k_sink", "v_sink", "k_recent", "v_recent", "k_codes", "k_scale", "k_zero",
-                "v_codes", "v_scale", "v_zero", "k_levels", "v_levels")
+                "v_codes", "v_scale", "v_zero", "k_levels", "v_levels", "k_feedback")
 
 
 @dataclass
@@ -42,13 +42,14 @@ class Case:
     chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]]  # rotated q fp32, k fp16, v fp16
     outputs: list[np.ndarray]  # fp32 [q_heads, T, head_dim], rotated (V) space
     final: dict[str, np.ndarray]  # "k_sink" ... "v_zero" as in the op, after the last chunk
+    feedback: np.ndarray | None = None  # K's error-feedback weights [kv_heads, D, D] (k_rounding 'feedback')
 
     @property
     def scaling(self) -> float:
         return float(np.float32(self.head_dim**-0.5))
 
     def empty_cache(self) -> dict[str, np.ndarray]:
-        """Zeroed cache buffers in the op's layout, levels filled in."""
+        """Zeroed cache buffers in the op's layout, levels and feedback weights (empty: nearest) filled in."""
         s, w, b = capacities(self.config, self.max_context)
         h, d, g = self.kv_heads, self.head_dim, self.head_dim // self.config.cluster_dim
         out = {}
@@ -59,6 +60,7 @@ class Case:
             out[f"{kind}_scale"] = np.zeros((h, b, g), np.float16)
             out[f"{kind}_zero"] = np.zeros((h, b, g), np.float16)
             out[f"{kind}_levels"] = self.levels[kind].copy()
+        out["k_feedback"] = np.zeros(0, np.float32) if self.feedback is None else self.feedback.copy()
         return {name: out[name] for name in CACHE_INPUTS}
 
 
@@ -93,8 +95,9 @@ def golden_case(name: str) -> Case:
     levels = {kind: (t[f"cache.{kind}_levels"][0].numpy() if cfg.codebook == "lloyd-max"
                      else np.arange(2 ** cfg.bits(kind), dtype=np.float32)) for kind in KINDS}
     final = {f"{kind}_{region}": t[f"cache.final.{kind}.{region}"][0].numpy() for kind in KINDS for region in REGIONS}
+    feedback = t["cache.k_feedback"][0].numpy() if cfg.k_rounding == "feedback" else None
     return Case(name, cfg, meta["q_heads"], meta["kv_heads"], meta["head_dim"], meta["tokens"],
-                levels, chunks, outputs, final)
+                levels, chunks, outputs, final, feedback)
 
 
 def _random_levels(rng: np.random.Generator, bits: int) -> torch.Tensor:
@@ -115,12 +118,18 @@ def random_case(rng: np.random.Generator, index: int, max_context: int = 40, max
         codebook=str(rng.choice(["uniform", "uniform", "lloyd-max"])),
         sink=int(rng.choice([0, 1, 2, 5])), recent=int(rng.choice([0, 1, 3, 8])),
     )
+    if cfg.codebook == "uniform" and rng.random() < 0.3:
+        cfg = replace(cfg, k_rounding="feedback")
     kv_heads = int(rng.choice([1, 2]))
     q_heads = kv_heads * int(rng.choice([1, 2, 3, 4]))
     max_context = int(rng.integers(1, max_context + 1))
     tokens = int(rng.integers(1, max_context + 1))
     levels = {kind: None if cfg.codebook == "uniform" else [_random_levels(rng, cfg.bits(kind))] for kind in KINDS}
-    cache = OscarKVCache(cfg, 1, kv_heads, head_dim, max_context, k_levels=levels["k"], v_levels=levels["v"])
+    feedback = None
+    if cfg.k_rounding == "feedback":  # weights of calibration's size: strictly upper, about 1
+        feedback = np.triu(rng.standard_normal((kv_heads, head_dim, head_dim), dtype=np.float32) * 0.3, 1)
+    cache = OscarKVCache(cfg, 1, kv_heads, head_dim, max_context, k_levels=levels["k"], v_levels=levels["v"],
+                         k_feedback=None if feedback is None else torch.from_numpy(feedback)[None])
     scale = float(rng.choice([1.0, 10.0, 300.0]))
     q = torch.from_numpy(rng.standard_normal((q_heads, tokens, head_dim), dtype=np.float32))
     k, v = (torch.from_numpy(rng.standard_normal((kv_heads, tokens, head_dim), dtype=np.float32) * scale)
@@ -135,7 +144,7 @@ def random_case(rng: np.random.Generator, index: int, max_context: int = 40, max
         chunks.append((q[:, start:end].numpy(), k[:, start:end].half().numpy(), v[:, start:end].half().numpy()))
         start = end
     return Case(f"random{index}", cfg, q_heads, kv_heads, head_dim, max_context, _levels(cache, cfg),
-                chunks, outputs, _final(cache))
+                chunks, outputs, _final(cache), feedback)
 
 
 def export_for_core_test(case: Case, directory: Path) -> Path:
@@ -151,6 +160,7 @@ def export_for_core_test(case: Case, directory: Path) -> Path:
         "q_heads": case.q_heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim,
         "tokens": meta["tokens"], "prefill": meta["prefill"],
         "codec_bits": meta["codec_bits"], "codec_clip": float(np.float32(meta["codec_clip"])).hex(),
+        "k_rounding": int(case.feedback is not None),
     }
     (directory / "case.txt").write_text("".join(f"{key} {value}\n" for key, value in fields.items()))
     arrays = {
@@ -165,6 +175,8 @@ def export_for_core_test(case: Case, directory: Path) -> Path:
         "codec_zero": t["codec.zero"].numpy(),
     }
     arrays.update({f"final_{name}": value for name, value in case.final.items()})
+    if case.feedback is not None:
+        arrays["k_feedback"] = case.feedback
     for name, value in arrays.items():
         np.ascontiguousarray(value).tofile(directory / f"{name}.bin")
     return directory

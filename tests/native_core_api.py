@@ -16,7 +16,7 @@ class OscarAttentionConfig(ctypes.Structure):
     _fields_ = [("k_bits", ctypes.c_int32), ("v_bits", ctypes.c_int32), ("cluster_dim", ctypes.c_int32),
                 ("sink", ctypes.c_int64), ("recent", ctypes.c_int64), ("k_clip", ctypes.c_float),
                 ("v_clip", ctypes.c_float), ("scaling", ctypes.c_float), ("threads", ctypes.c_int32),
-                ("kernel", ctypes.c_int32)]
+                ("kernel", ctypes.c_int32), ("k_rounding", ctypes.c_int32)]
 
 
 class NativeError(Exception):
@@ -29,8 +29,8 @@ class Core:
     def __init__(self, path):
         self.lib = ctypes.CDLL(str(path))
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-        self.lib.oscar_quantize_pack.argtypes = [p, i64, i64, i32, i32, f32, p, p, i64, p, p, i64, ctypes.c_char_p,
-                                                 ctypes.c_size_t]
+        self.lib.oscar_quantize_pack.argtypes = [p, i64, i64, i32, i32, f32, p, p, i64, p, i64, p, p, i64,
+                                                 ctypes.c_char_p, ctypes.c_size_t]
         self.lib.oscar_attention.argtypes = [ctypes.POINTER(OscarAttentionConfig), ctypes.POINTER(i64),
                                              ctypes.POINTER(p), ctypes.POINTER(i64), i64, ctypes.c_char_p,
                                              ctypes.c_size_t]
@@ -44,17 +44,20 @@ class Core:
         if rc:
             raise NativeError(err.value.decode())
 
-    def quantize_pack(self, x: np.ndarray, bits, cluster_dim, clip=1.0, levels=None):
+    def quantize_pack(self, x: np.ndarray, bits, cluster_dim, clip=1.0, levels=None, feedback=None):
         x = np.ascontiguousarray(x, np.float32)
         rows, d = x.shape
         codes = np.zeros((rows, d * bits // 8), np.uint8)
         scale = np.zeros((rows, d // cluster_dim), np.float16)
         zero = np.zeros_like(scale)
         lv = None if levels is None else np.ascontiguousarray(levels, np.float32)
+        fb = None if feedback is None else np.ascontiguousarray(feedback, np.float32)
         err = ctypes.create_string_buffer(512)
         rc = self.lib.oscar_quantize_pack(x.ctypes.data, rows, d, bits, cluster_dim, clip,
-                                          None if lv is None else lv.ctypes.data, codes.ctypes.data, codes.size,
-                                          scale.ctypes.data, zero.ctypes.data, scale.size, err, len(err))
+                                          None if lv is None else lv.ctypes.data,
+                                          None if fb is None else fb.ctypes.data, 0 if fb is None else fb.size,
+                                          codes.ctypes.data, codes.size, scale.ctypes.data, zero.ctypes.data,
+                                          scale.size, err, len(err))
         self._check(rc, err)
         return codes, scale, zero
 
@@ -65,7 +68,8 @@ class Core:
         """
         cfg = case.config
         c = OscarAttentionConfig(cfg.k_bits, cfg.v_bits, cfg.cluster_dim, cfg.sink, cfg.recent, cfg.k_clip,
-                                 cfg.v_clip, case.scaling, threads, KERNELS.get(kernel, kernel))
+                                 cfg.v_clip, case.scaling, threads, KERNELS.get(kernel, kernel),
+                                 int(cache["k_feedback"].size > 0))
         out = np.zeros(q.shape, np.float32)
         buffers = [q, k, v, *cache.values(), out]
         assert all(b.flags.c_contiguous for b in buffers)
@@ -74,7 +78,7 @@ class Core:
                     cache["k_recent"].shape[1], cache["k_scale"].shape[1])
         err = ctypes.create_string_buffer(512)
         rc = self.lib.oscar_attention(ctypes.byref(c), (ctypes.c_int64 * 7)(*dims),
-                                      (ctypes.c_void_p * 16)(*[b.ctypes.data for b in buffers]),
-                                      (ctypes.c_int64 * 16)(*[b.size for b in buffers]), length, err, len(err))
+                                      (ctypes.c_void_p * 17)(*[b.ctypes.data for b in buffers]),
+                                      (ctypes.c_int64 * 17)(*[b.size for b in buffers]), length, err, len(err))
         self._check(rc, err)
         return out

@@ -50,6 +50,7 @@ def test_cases_cover_the_format():
     assert {c["k_bits"] for c in configs} == {2, 3, 4}
     assert {c["cluster_dim"] for c in configs} == {32, 64, 128}
     assert {c["codebook"] for c in configs} == {"uniform", "lloyd-max"}
+    assert {c.get("k_rounding", "nearest") for c in configs} == {"nearest", "feedback"}
     assert any(c["k_clip"] < 1 for c in configs) and any(c["k_clip"] == 1 for c in configs)
     for name in CASES:
         meta = INDEX["cases"][name]
@@ -108,9 +109,11 @@ def test_codec_vectors_decode_with_the_numpy_port(name):
     cfg = meta["config"]
     t = load_file(str(VECTORS / meta["file"]))
     levels = t["cache.k_levels"][0].numpy() if cfg["codebook"] == "lloyd-max" else None
+    feedback = t["cache.k_feedback"][0, 0].numpy() if cfg.get("k_rounding") == "feedback" else None
     for row in range(t["codec.input"].shape[0]):
         codes, scales, zeros = quantize_vector(
-            t["codec.input"][row].numpy(), cfg["k_bits"], cfg["cluster_dim"], cfg["k_clip"], levels, cfg["scale_dtype"]
+            t["codec.input"][row].numpy(), cfg["k_bits"], cfg["cluster_dim"], cfg["k_clip"], levels, cfg["scale_dtype"],
+            feedback,
         )
         assert t["codec.codes"][row].tolist() == codes.tolist()
         assert t["codec.scale"][row].float().tolist() == scales.astype("float32").tolist()

@@ -53,7 +53,7 @@ def _fold_o(o_proj: nn.Linear, rot_per_q_head: torch.Tensor) -> nn.Linear:
 class OscarDecoderLayer(nn.Module):
     """One decoder block; its attention goes through oscar::attention over this layer's buffers."""
 
-    def __init__(self, block, config: OscarConfig, k_rot, v_rot, k_levels, v_levels):
+    def __init__(self, block, config: OscarConfig, k_rot, v_rot, k_levels, v_levels, k_feedback=None):
         super().__init__()
         attn = block.self_attn
         self.head_dim = attn.head_dim
@@ -69,6 +69,8 @@ class OscarDecoderLayer(nn.Module):
             self.o_proj = _fold_o(attn.o_proj, v_rot.repeat_interleave(group, dim=0))
         self.register_buffer("k_levels", k_levels.clone())
         self.register_buffer("v_levels", v_levels.clone())
+        # K's error-feedback weights [kv_heads, D, D]; empty for nearest rounding (the op reads it so).
+        self.register_buffer("k_feedback", torch.zeros(0) if k_feedback is None else k_feedback.clone())
         self.attrs = (config.k_bits, config.v_bits, config.cluster_dim, config.sink, config.recent,
                       float(config.k_clip), float(config.v_clip), float(attn.scaling))
 
@@ -97,7 +99,7 @@ class OscarDecoderLayer(nn.Module):
     def attend(self, q, k, v, length, cache, functional):
         """Attention of q [Hq, T, D] over the cache with k, v [Hkv, T, D] appended at `length`:
         (out [Hq, T, D], the updated buffers in functional mode, else [])"""
-        args = (q, k.half(), v.half(), *cache, self.k_levels, self.v_levels, length, *self.attrs)
+        args = (q, k.half(), v.half(), *cache, self.k_levels, self.v_levels, self.k_feedback, length, *self.attrs)
         if functional:
             out, *cache = torch.ops.oscar.attention_functional(*args)
             return out, cache
@@ -126,8 +128,6 @@ class OscarCausalLM(nn.Module):
                                   "expected 'hadamard', 'none' or a rotation file (oscar-export calibrate)")
         if config.scale_dtype != "float16":
             raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected 'float16', the exported op's format")
-        if config.k_rounding != "nearest":
-            raise OscarInputError(f"k_rounding={config.k_rounding!r}: expected 'nearest', the exported op's rounding")
         layers, kv_heads, head_dim, _ = attention_shape(model)
         config.check_head_dim(head_dim)
         config.check_layers(layers)
@@ -153,12 +153,23 @@ class OscarCausalLM(nn.Module):
                                           f"{2 ** config.bits(kind)} for {kind}_bits={config.bits(kind)}")
         k_rot = check_rotation("k_rotation", k_rot, layers, kv_heads, head_dim)
         v_rot = check_rotation("v_rotation", v_rot, layers, kv_heads, head_dim)
+        feedback = None
+        if config.k_rounding == "feedback":
+            feedback = getattr(resolved, "k_feedback", None)
+            if feedback is None:
+                given = f"rotations={resolved!r}" if isinstance(resolved, str) else "one without k_feedback"
+                raise OscarInputError(f"k_rounding='feedback' needs K's feedback weights: expected a rotation file "
+                                      f"from oscar-export calibrate, not {given}")
+            if tuple(feedback.shape) != (layers, kv_heads, head_dim, head_dim):
+                raise OscarInputError(f"k_feedback has shape {tuple(feedback.shape)}: expected "
+                                      f"({layers}, {kv_heads}, {head_dim}, {head_dim}) for this model")
 
         text = model.get_decoder()
         self.embed_tokens, self.norm, self.lm_head = text.embed_tokens, text.norm, model.lm_head
         self.register_buffer("inv_freq", text.rotary_emb.inv_freq.float().clone())
         self.rope_scaling = float(text.rotary_emb.attention_scaling)
-        self.rotations, self.levels = (k_rot, v_rot), levels  # plain attributes: decoder_layer rebuilds a layer
+        # Plain attributes: decoder_layer rebuilds a layer.
+        self.rotations, self.levels, self.feedback = (k_rot, v_rot), levels, feedback
         self.layers = nn.ModuleList(self.decoder_layer(block, i) for i, block in enumerate(text.layers))
 
     def decoder_layer(self, block, i: int) -> OscarDecoderLayer:
@@ -167,7 +178,7 @@ class OscarCausalLM(nn.Module):
         k_rot, v_rot = self.rotations
         return self.layer_class(block, self.config.layer(i), None if k_rot is None else k_rot[i],
                                  None if v_rot is None else v_rot[i], self.levels["k"][i].float(),
-                                 self.levels["v"][i].float())
+                                 self.levels["v"][i].float(), None if self.feedback is None else self.feedback[i])
 
     def cache_spec(self, max_context: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
         """(name, shape, dtype) of every cache buffer, layer by layer, in forward's order."""

@@ -596,6 +596,8 @@ def triton_decode_attend(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v:
         raise OscarInputError(
             f"q {tuple(q.shape)}, k {tuple(k.shape)}: expected one token, (heads, 1, {cache.head_dim})"
         )
+    if append == "triton":
+        _check_nearest(cache)
     # Validation, rotation and fp16 rounding exactly as cache.attend does them.
     chunks = cache._rotated_chunks(layer, k, v)
     if q.shape[0] % cache.kv_heads or q.shape[2] != cache.head_dim:
@@ -616,8 +618,15 @@ def triton_decode_attend(cache, layer: int, q: torch.Tensor, k: torch.Tensor, v:
     return cache.unrotate_values(layer, out[:, None, :])
 
 
+def _check_nearest(cache) -> None:
+    if cache.config.k_rounding != "nearest":
+        raise OscarInputError(f"k_rounding={cache.config.k_rounding!r}: the Triton quantize kernel rounds K to the "
+                              f"nearest level only: expected the reference append (append='reference')")
+
+
 def triton_append(cache, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """`cache.append(layer, k, v)` with the packed body written by the Triton quantize kernel."""
+    _check_nearest(cache)
     cache._store(layer, cache._rotated_chunks(layer, k, v), quantize_pack)
 
 

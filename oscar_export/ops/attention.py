@@ -21,9 +21,11 @@ ATTRIBUTES = ("k_bits", "v_bits", "cluster_dim", "sink", "recent", "k_clip", "v_
 
 # Every input of the op in order, with its dtype: the table the native adapters check against
 # (oscar_core.h kBufferNames; oscar_ort.cc and oscar_et.cc kInputTypes). `length` is the op's last input.
+# k_feedback: K's error-feedback weights [kv_heads, D, D] (k_rounding 'feedback'), or empty for nearest rounding.
 INPUT_DTYPES = (("q", torch.float32), ("k_new", torch.float16), ("v_new", torch.float16),
                 *((name, torch.uint8 if name.endswith("_codes") else torch.float16) for name in CACHE_NAMES),
-                ("k_levels", torch.float32), ("v_levels", torch.float32), ("length", torch.int64))
+                ("k_levels", torch.float32), ("v_levels", torch.float32), ("k_feedback", torch.float32),
+                ("length", torch.int64))
 INPUTS = tuple(name for name, _ in INPUT_DTYPES)
 
 
@@ -33,7 +35,8 @@ _PLAIN = ", ".join(f"Tensor {name}" for name in CACHE_NAMES)
 
 
 def _schema(cache: str) -> str:
-    return f"Tensor q, Tensor k_new, Tensor v_new, {cache}, Tensor k_levels, Tensor v_levels, Tensor length, {_ATTRS}"
+    return (f"Tensor q, Tensor k_new, Tensor v_new, {cache}, Tensor k_levels, Tensor v_levels, Tensor k_feedback, "
+            f"Tensor length, {_ATTRS}")
 
 
 _lib = torch.library.Library("oscar", "DEF")
@@ -44,18 +47,24 @@ _lib.define(f"attention.out({_schema(_MUTABLE)}, *, Tensor(z!) out) -> Tensor(z!
 _lib.define(f"attention_functional({_schema(_PLAIN)}) -> (Tensor, {', '.join(['Tensor'] * len(CACHE_NAMES))})")
 
 
-def wrap_cache(cache, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip):
-    """An OscarKVCache of one layer whose storage is the given buffers (written in place)."""
+def wrap_cache(cache, k_levels, v_levels, k_feedback, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip,
+               v_clip):
+    """An OscarKVCache of one layer whose storage is the given buffers (written in place). An empty k_feedback
+    rounds K to the nearest level."""
     given = dict(zip(CACHE_NAMES, cache))
     kv_heads, head_dim = given["k_sink"].shape[0], given["k_sink"].shape[-1]
     caps = (given["k_sink"].shape[1], given["k_recent"].shape[1], given["k_codes"].shape[1])
+    feedback = k_feedback.numel() > 0
+    # Uniform levels are a valid Lloyd-Max codebook; feedback rounding keeps them uniform (OscarConfig checks).
     config = OscarConfig(k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, k_clip=k_clip, v_clip=v_clip,
-                         codebook="lloyd-max", sink=sink, recent=recent)  # uniform levels are a valid codebook
+                         codebook="uniform" if feedback else "lloyd-max", sink=sink, recent=recent,
+                         k_rounding="feedback" if feedback else "nearest")
     if capacities(config, sum(caps)) != caps:
         raise OscarInputError(f"cache capacities (sink, recent, body) = {caps}: expected "
                               f"{capacities(config, sum(caps))} for sink={sink}, recent={recent}")
-    kv = OscarKVCache(config, 1, kv_heads, head_dim, max(sum(caps), 1), k_levels=[k_levels], v_levels=[v_levels],
-                      device=given["k_sink"].device)
+    levels = {} if feedback else {"k_levels": [k_levels], "v_levels": [v_levels]}
+    kv = OscarKVCache(config, 1, kv_heads, head_dim, max(sum(caps), 1), **levels, device=given["k_sink"].device,
+                      k_feedback=k_feedback[None] if feedback else None)
     for kind in KINDS:
         for region in ("sink", "recent", "codes", "scale", "zero"):
             name, want = f"{kind}_{region}", getattr(kv, region)[kind][0]  # layer 0, the only one
@@ -70,9 +79,10 @@ def wrap_cache(cache, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, s
 
 
 def _attention(q, k_new, v_new, *args):
-    *cache, k_levels, v_levels, length = args[:13]
-    k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip, scaling = args[13:]
-    kv = wrap_cache(cache, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip)
+    *cache, k_levels, v_levels, k_feedback, length = args[:14]
+    k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip, scaling = args[14:]
+    kv = wrap_cache(cache, k_levels, v_levels, k_feedback, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip,
+                    v_clip)
     return kv.attend(0, q, k_new, v_new, scaling)
 
 

@@ -127,8 +127,9 @@ def dequantize(words, scale, zero, levels, bits: int, cluster_dim: int) -> torch
     return out.flatten(-2)
 
 
-def quantize(x: torch.Tensor, levels, bits: int, cluster_dim: int, clip: float):
-    """fp32 [H, n, D] -> (int32 words, fp16 scale, fp16 zero), bit-exact with codec.quantize."""
+def quantize(x: torch.Tensor, levels, bits: int, cluster_dim: int, clip: float, feedback=None):
+    """fp32 [H, n, D] -> (int32 words, fp16 scale, fp16 zero), bit-exact with codec.quantize. feedback [H, D, D]:
+    the codes with error feedback (format.md section 3, step 5), unrolled over the channels."""
     g = x.reshape(*x.shape[:-1], x.shape[-1] // cluster_dim, cluster_dim)
     lo, hi = g.amin(-1), g.amax(-1)
     if clip < 1.0:
@@ -136,22 +137,37 @@ def quantize(x: torch.Tensor, levels, bits: int, cluster_dim: int, clip: float):
         half = (hi - lo) * torch.tensor(0.5 * clip, dtype=torch.float32)
         lo, hi = mid - half, mid + half
     scale, zero = ((hi - lo) / float(2**bits - 1)).half(), lo.half()
-    s = scale.float().unsqueeze(-1)
-    u = (g - zero.float().unsqueeze(-1)) / s
+    s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
     thresholds = (levels[:-1] + levels[1:]) * 0.5
-    code = (u > thresholds[0]).to(torch.int32)
-    for j in range(1, 2**bits - 1):  # count of thresholds exceeded, in int32
-        code = code + (u > thresholds[j]).to(torch.int32)
-    code = torch.where(s == 0, _i32(0), code)  # a zero scale has codes 0
-    return pack_words(code.flatten(-2), bits), scale, zero
+
+    def codes_of(value, s, z):
+        u = (value - z) / s
+        code = (u > thresholds[0]).to(torch.int32)
+        for j in range(1, 2**bits - 1):  # count of thresholds exceeded, in int32
+            code = code + (u > thresholds[j]).to(torch.int32)
+        return torch.where(s == 0, _i32(0), code)  # a zero scale has codes 0
+
+    if feedback is None:
+        return pack_words(codes_of(g, s, z).flatten(-2), bits), scale, zero
+    d = x.shape[-1]
+    s_ch, z_ch = (v.expand(g.shape).reshape(x.shape) for v in (s, z))
+    w, codes = x, []
+    for i in range(d):
+        wi, si, zi = w[..., i:i + 1], s_ch[..., i:i + 1], z_ch[..., i:i + 1]
+        ci = codes_of(wi, si, zi)
+        codes.append(ci)
+        if i + 1 < d:
+            error = wi - (zi + si * levels[ci.flatten()].reshape(ci.shape))
+            w = torch.cat([w[..., :i + 1], w[..., i + 1:] - error * feedback[:, None, i, i + 1:]], dim=-1)
+    return pack_words(torch.cat(codes, dim=-1), bits), scale, zero
 
 
 # -- the op ----------------------------------------------------------------------------------------
 
 
 def attention_rows(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes, k_scale, k_zero, v_codes, v_scale,
-                   v_zero, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip,
-                   scaling):
+                   v_zero, k_levels, v_levels, k_feedback, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip,
+                   v_clip, scaling):
     """oscar::attention over int32-word buffers, returning (out, *ROW_NAMES) instead of updated buffers.
 
     out is the reference attention (format.md section 6). The body rows are those of positions
@@ -200,7 +216,8 @@ def attention_rows(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes,
             src, idx = new[kind], pos - n0
         idx = torch.where(idx < src.shape[1], idx, _i32(0))  # rows past the real ones read any valid row
         values = torch.index_select(src, 1, idx).float()
-        rows[kind] = quantize(values, levels[kind], bits[kind], cluster_dim, clip[kind])
+        feedback = k_feedback if kind == "k" and k_feedback.numel() else None  # empty: nearest rounding
+        rows[kind] = quantize(values, levels[kind], bits[kind], cluster_dim, clip[kind], feedback)
     return (out, k_new, v_new, *rows["k"], *rows["v"])
 
 

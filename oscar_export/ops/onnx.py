@@ -40,12 +40,13 @@ def register_schema() -> None:
 
 
 def translate(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes, k_scale, k_zero, v_codes, v_scale,
-               v_zero, k_levels, v_levels, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip, scaling):
+               v_zero, k_levels, v_levels, k_feedback, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip,
+               scaling):
     """oscar::attention_functional -> OscarAttention; the 'updated' buffers are the inputs it writes."""
     cache = (k_sink, v_sink, k_recent, v_recent, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    out = _OSCAR.OscarAttention(q, k_new, v_new, *cache, k_levels, v_levels, length, k_bits=k_bits, v_bits=v_bits,
-                                cluster_dim=cluster_dim, sink=sink, recent=recent, k_clip=k_clip, v_clip=v_clip,
-                                scaling=scaling)
+    out = _OSCAR.OscarAttention(q, k_new, v_new, *cache, k_levels, v_levels, k_feedback, length, k_bits=k_bits,
+                                v_bits=v_bits, cluster_dim=cluster_dim, sink=sink, recent=recent, k_clip=k_clip,
+                                v_clip=v_clip, scaling=scaling)
     return (out, *cache)
 
 
@@ -63,11 +64,14 @@ def make_fallback(model: onnx.ModelProto) -> onnx.ModelProto:
         raise OscarInputError(f"no {DOMAIN}.{OP} node in the model: expected a graph from the laptop export")
     opset = next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx"))
     variants = {}
+    feedback_at = 3 + len(CACHE_NAMES) + 2  # after the cache buffers and the levels
     for node in nodes:
         cache = list(node.input[3:3 + len(CACHE_NAMES)])
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         shapes = {name: [d.dim_value for d in inputs[cache[i]].type.tensor_type.shape.dim]
                   for i, name in enumerate(CACHE_NAMES)}
+        # The layer's error-feedback weights, empty for nearest rounding: the function is specialised to either.
+        shapes["k_feedback"] = _static_shape(graph, node.input[feedback_at])
         key = json.dumps([attrs, shapes], sort_keys=True)
         if key not in variants:
             name = FALLBACK_OP if not variants else f"{FALLBACK_OP}_{len(variants)}"
@@ -81,6 +85,21 @@ def make_fallback(model: onnx.ModelProto) -> onnx.ModelProto:
             out.name = f"{name}.next"
             graph.output.append(out)
     return model
+
+
+def _static_shape(graph: onnx.GraphProto, name: str) -> list[int]:
+    """The shape of a graph value fixed before any run: an initializer's, a Constant's or a declared input's."""
+    for t in graph.initializer:
+        if t.name == name:
+            return list(t.dims)
+    for n in graph.node:
+        if n.op_type == "Constant" and n.output[0] == name:
+            return list(onnx.helper.get_attribute_value(n.attribute[0]).dims)
+    for v in graph.input:
+        if v.name == name and all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim):
+            return [d.dim_value for d in v.type.tensor_type.shape.dim]
+    raise OscarInputError(f"{name}: no static shape in the graph: expected an initializer, a Constant or an input "
+                          f"of fixed shape")
 
 
 def _fallback_function(attrs: dict, shapes: dict, opset: int, name: str = FALLBACK_OP) -> ir.Function:
@@ -100,8 +119,9 @@ def _fallback_function(attrs: dict, shapes: dict, opset: int, name: str = FALLBA
         scale, zero = (op.Unsqueeze(op.Cast(x, to=f32), [-1]) for x in (scale, zero))
         return op.Reshape(op.Add(zero, op.Mul(scale, values)), [heads, b_cap, d])
 
-    def quantize(op, x, bits, clip, levels):
-        """fp32 [heads, n, D] -> packed codes uint8, scale fp16, zero fp16 (n >= 1)."""
+    def quantize(op, x, bits, clip, levels, feedback=None):
+        """fp32 [heads, n, D] -> packed codes uint8, scale fp16, zero fp16 (n >= 1). feedback [heads, D, D]: the
+        codes with error feedback (format.md section 3, step 5), channel by channel."""
         top = 2**bits - 1
         g = op.Reshape(x, [heads, -1, groups, cd])
         lo, hi = op.ReduceMin(g, [-1], keepdims=0), op.ReduceMax(g, [-1], keepdims=0)
@@ -110,10 +130,31 @@ def _fallback_function(attrs: dict, shapes: dict, opset: int, name: str = FALLBA
             lo, hi = op.Sub(mid, half), op.Add(mid, half)
         scale, zero = op.Cast(op.Div(op.Sub(hi, lo), float(top)), to=f16), op.Cast(lo, to=f16)
         s32 = op.Unsqueeze(op.Cast(scale, to=f32), [-1])
-        u = op.Div(op.Sub(g, op.Unsqueeze(op.Cast(zero, to=f32), [-1])), s32)
+        z32 = op.Unsqueeze(op.Cast(zero, to=f32), [-1])
         thresholds = op.Mul(op.Add(op.Slice(levels, [0], [top]), op.Slice(levels, [1], [top + 1])), 0.5)
-        code = op.ReduceSum(op.Cast(op.Greater(op.Unsqueeze(u, [-1]), thresholds), to=i64), [-1], keepdims=0)
-        code = op.Where(op.Equal(s32, 0.0), 0, code)  # a zero scale has codes 0
+
+        def codes_of(value, s, z):
+            code = op.ReduceSum(op.Cast(op.Greater(op.Unsqueeze(op.Div(op.Sub(value, z), s), [-1]), thresholds),
+                                        to=i64), [-1], keepdims=0)
+            return op.Where(op.Equal(s, 0.0), 0, code)  # a zero scale has codes 0
+
+        if feedback is None:
+            code = codes_of(g, s32, z32)
+        else:  # unrolled over the channels: each product and difference its own rounded op
+            shape = op.Concat([heads], op.Shape(x, start=1, end=2), [groups, cd], axis=0)
+            flat = op.Concat([heads], op.Shape(x, start=1, end=2), [d], axis=0)
+            s_ch, z_ch = (op.Reshape(op.Expand(v, shape), flat) for v in (s32, z32))
+            w, codes = x, []
+            for i in range(d):
+                wi, si, zi = (op.Slice(v, [i], [i + 1], [2]) for v in (w, s_ch, z_ch))
+                ci = codes_of(wi, si, zi)
+                codes.append(ci)
+                if i + 1 < d:
+                    error = op.Sub(wi, op.Add(zi, op.Mul(si, op.Gather(levels, ci, axis=0))))
+                    later = op.Sub(op.Slice(w, [i + 1], [d], [2]),
+                                   op.Mul(error, op.Slice(feedback, [i, i + 1], [i + 1, d], [1, 2])))
+                    w = op.Concat(op.Slice(w, [0], [i + 1], [2]), later, axis=2)
+            code = op.Reshape(op.Concat(*codes, axis=2), [heads, -1, groups, cd])
         word = op.ReduceSum(op.Mul(op.Reshape(code, [heads, -1, d // 8, 8]), [2 ** (bits * j) for j in range(8)]),
                             [-1], keepdims=1)
         byte = op.Mod(op.Div(word, [256**k for k in range(bits)]), 256)
@@ -123,7 +164,7 @@ def _fallback_function(attrs: dict, shapes: dict, opset: int, name: str = FALLBA
         """data with slot `rows[j]` of every head replaced by src[:, j] where `where[j]`."""
         return op.Where(op.Reshape(where, [1, -1, 1]), op.Gather(src, rows, axis=1), data)
 
-    def append(op, kind, cache, chunk, levels, n0, n1, t):
+    def append(op, kind, cache, chunk, levels, n0, n1, t, feedback=None):
         """The buffers of one kind after appending the chunk (format.md section 5), as new tensors."""
         bits, clip = attrs[f"{kind}_bits"], attrs[f"{kind}_clip"]
         sink_buf, ring = cache[f"{kind}_sink"], cache[f"{kind}_recent"]
@@ -140,7 +181,7 @@ def _fallback_function(attrs: dict, shapes: dict, opset: int, name: str = FALLBA
                 idx = op.Where(op.Less(pos, n0), op.Mod(op.Sub(pos, sink), recent), op.Add(op.Sub(pos, n0), w_cap))
             else:
                 src, idx = chunk, op.Range(0, t, 1)
-            packed = quantize(op, op.Cast(op.Gather(src, idx, axis=1), to=f32), bits, clip, levels)
+            packed = quantize(op, op.Cast(op.Gather(src, idx, axis=1), to=f32), bits, clip, levels, feedback)
             # Positions that do not enter are written to a spare row past the end, cut off afterwards.
             rows = op.Where(op.GreaterOrEqual(pos, sink), op.Sub(pos, sink), b_cap)
             shape = op.Concat([heads], op.Reshape(t, [1]), [1], axis=0)
@@ -159,7 +200,8 @@ def _fallback_function(attrs: dict, shapes: dict, opset: int, name: str = FALLBA
         return out
 
     def body(op, q, k_new, v_new, *rest):
-        cache, (k_levels, v_levels, length) = dict(zip(CACHE_NAMES, rest[:10])), rest[10:]
+        cache, (k_levels, v_levels, k_feedback, length) = dict(zip(CACHE_NAMES, rest[:10])), rest[10:]
+        feedback = {"k": k_feedback if shapes["k_feedback"] != [0] else None, "v": None}
         n0 = op.Squeeze(length)
         t = op.Squeeze(op.Shape(k_new, start=1, end=2))
         n1 = op.Add(n0, t)
@@ -178,7 +220,7 @@ def _fallback_function(attrs: dict, shapes: dict, opset: int, name: str = FALLBA
             if w_cap:
                 parts.append(op.Cast(cache[f"{kind}_recent"], to=f32))
             keys[kind] = op.Concat(*parts, op.Cast(new[kind], to=f32), axis=1)
-            updated.update(append(op, kind, cache, new[kind], levels[kind], n0, n1, t))
+            updated.update(append(op, kind, cache, new[kind], levels[kind], n0, n1, t, feedback[kind]))
         for cap, filled in ((s_cap, n0), (b_cap, op.Sub(n0, sink + recent)), (w_cap, op.Sub(n0, sink))):
             if cap:
                 rank.append(op.Where(op.Less(op.Range(0, cap, 1), filled), -1, 1 << 40))

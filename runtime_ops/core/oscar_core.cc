@@ -79,10 +79,13 @@ void thresholds(const float* levels, int bits, float* thr) {
   for (int j = 0; j + 1 < (1 << bits); ++j) thr[j] = (levels[j] + levels[j + 1]) * 0.5f;
 }
 
-// One vector -> packed codes, fp16 scale and zero per group (format.md sections 3-4).
+// One vector -> packed codes, fp16 scale and zero per group (format.md sections 3-4). levels: the
+// 2^bits code-unit levels thr was made from. feedback ([head_dim, head_dim] row-major, or nullptr):
+// codes chosen with error feedback (section 3, step 5), on running values in `work` (head_dim floats).
 // Returns false when a scale or zero overflows fp16.
-bool quantize_vector(const float* x, int64_t head_dim, int bits, int cluster_dim, float clip, const float* thr,
-                     uint8_t* codes, uint16_t* scale, uint16_t* zero) {
+bool quantize_vector(const float* x, int64_t head_dim, int bits, int cluster_dim, float clip, const float* levels,
+                     const float* thr, const float* feedback, float* work, uint8_t* codes, uint16_t* scale,
+                     uint16_t* zero) {
   const float half_clip = 0.5f * clip;  // "c = 0.5 * clip rounded once to fp32": exact for an fp32 clip
   const int thresholds_count = (1 << bits) - 1;
   for (int64_t g = 0; g < head_dim / cluster_dim; ++g) {
@@ -103,20 +106,41 @@ bool quantize_vector(const float* x, int64_t head_dim, int bits, int cluster_dim
     if (!f16_finite(s16) || !f16_finite(z16)) return false;
     scale[g] = s16;
     zero[g] = z16;
-    const float s = f16_to_f32(s16), z = f16_to_f32(z16);
-    uint8_t* out = codes + g * cluster_dim * bits / 8;
-    for (int w = 0; w < cluster_dim / 8; ++w) {
-      uint32_t word = 0;  // 8 codes form one bits-byte little-endian word
-      for (int k = 0; k < 8 && s != 0.0f; ++k) {
-        const float u = (xs[w * 8 + k] - z) / s;
-        uint32_t code = 0;  // the number of thresholds u strictly exceeds
-        for (int t = 0; t < thresholds_count; ++t) code += u > thr[t];
-        word |= code << (bits * k);
-      }
-      for (int b = 0; b < bits; ++b) out[w * bits + b] = uint8_t(word >> (8 * b));
+  }
+  // The codes of each element, in channel order: 8 codes form one bits-byte little-endian word.
+  const float* values = x;
+  if (feedback) {
+    std::copy(x, x + head_dim, work);
+    values = work;
+  }
+  uint32_t word = 0;
+  for (int64_t i = 0; i < head_dim; ++i) {
+    const float s = f16_to_f32(scale[i / cluster_dim]), z = f16_to_f32(zero[i / cluster_dim]);
+    uint32_t code = 0;  // the number of thresholds u strictly exceeds; 0 in a group of scale 0
+    if (s != 0.0f) {
+      const float u = (values[i] - z) / s;
+      for (int t = 0; t < thresholds_count; ++t) code += u > thr[t];
+    }
+    word |= code << (bits * (i % 8));
+    if (i % 8 == 7) {
+      for (int b = 0; b < bits; ++b) codes[(i / 8) * bits + b] = uint8_t(word >> (8 * b));
+      word = 0;
+    }
+    if (feedback) {  // the later channels take this one's error, each product and difference rounded
+      const float error = work[i] - (z + s * levels[code]);
+      const float* f = feedback + i * head_dim;
+      for (int64_t j = i + 1; j < head_dim; ++j) work[j] = work[j] - error * f[j];
     }
   }
   return true;
+}
+
+// K's error-feedback weights: finite, |w| <= 64 (codec.FEEDBACK_LIMIT).
+Status check_feedback(const float* w, int64_t count) {
+  for (int64_t i = 0; i < count; ++i)
+    if (!std::isfinite(w[i]) || std::fabs(w[i]) > 64.0f)
+      return fail("k_feedback holds ", w[i], " at ", i, ": expected finite weights, |w| <= 64");
+  return {};
 }
 
 void uniform_levels(int bits, float* levels) {
@@ -241,6 +265,7 @@ struct Kind {
   int64_t code_bytes;
   float levels[16];
   float thr[15];
+  const float* feedback;  // [Hkv, D, D] error-feedback weights (K with k_rounding 1), else nullptr
 };
 
 struct Layer {
@@ -261,6 +286,7 @@ struct Layer {
       Kind& k = kind[i];
       k.cache = *caches[i], k.chunk = chunks[i], k.bits = bits[i], k.clip = clips[i];
       k.code_bytes = D * k.bits / 8;
+      k.feedback = i == 0 && a.config.k_rounding == 1 ? a.k_feedback : nullptr;
       std::copy(k.cache.levels, k.cache.levels + (1 << k.bits), k.levels);
       thresholds(k.levels, k.bits, k.thr);
     }
@@ -436,7 +462,7 @@ struct Layer {
     }
   }
 
-  // The placement rule (format.md section 5) for KV head h; row is D floats of scratch.
+  // The placement rule (format.md section 5) for KV head h; row is 2 D floats of scratch.
   void append(int64_t h, float* row) const {
     const int64_t n1 = n0 + T;
     for (const Kind& k : kind) {
@@ -449,7 +475,8 @@ struct Layer {
         for (int64_t i = 0; i < D; ++i) row[i] = half_to_float(src[i]);
         const int64_t r = h * body_cap + p - S;
         // Cannot fail: a finite fp16 group has range <= 131008, so scale <= 43670 < 65504.
-        quantize_vector(row, D, k.bits, a.config.cluster_dim, k.clip, k.thr, k.cache.codes + r * k.code_bytes,
+        quantize_vector(row, D, k.bits, a.config.cluster_dim, k.clip, k.levels, k.thr,
+                        k.feedback ? k.feedback + h * D * D : nullptr, row + D, k.cache.codes + r * k.code_bytes,
                         k.cache.scale + r * G, k.cache.zero + r * G);
       }
       for (int64_t p = std::max({S, n1 - W, n0}); p < n1; ++p)
@@ -492,7 +519,7 @@ struct Job {
     Job& job = *static_cast<Job*>(data);
     const Layer& layer = job.layer;
     try {
-      float* mem = thread_scratch(layer.scratch_floats() + layer.D).data();
+      float* mem = thread_scratch(layer.scratch_floats() + 2 * layer.D).data();
       if (!layer.fused()) {
         layer.attend_dense(int64_t(item), job.kernels, mem);
         layer.append(int64_t(item), mem + layer.scratch_floats());
@@ -639,7 +666,7 @@ float f16_to_f32(uint16_t h) {
 }
 
 Status quantize_pack(const float* x, int64_t rows, int64_t head_dim, int bits, int cluster_dim, float clip,
-                     const float* levels, uint8_t* codes, uint16_t* scale, uint16_t* zero) {
+                     const float* levels, uint8_t* codes, uint16_t* scale, uint16_t* zero, const float* feedback) {
   if (Status st = check_bits("bits", bits); !st.ok()) return st;
   if (cluster_dim != 32 && cluster_dim != 64 && cluster_dim != 128)
     return fail("cluster_dim=", cluster_dim, ": expected 32, 64 or 128");
@@ -660,17 +687,25 @@ Status quantize_pack(const float* x, int64_t rows, int64_t head_dim, int bits, i
   for (int64_t i = 0; i < rows * head_dim; ++i)
     if (!std::isfinite(x[i]))
       return fail("input row ", i / head_dim, " contains ", std::isnan(x[i]) ? "NaN" : "inf", ": expected finite values");
+  if (feedback)
+    if (Status st = check_feedback(feedback, head_dim * head_dim); !st.ok()) return st;
+  std::vector<float> work;
+  try {
+    work.resize(feedback ? head_dim : 0);
+  } catch (const std::bad_alloc&) {
+    return fail("out of memory for ", head_dim, " floats of feedback scratch");
+  }
   const int64_t groups = head_dim / cluster_dim;
   for (int64_t r = 0; r < rows; ++r)
-    if (!quantize_vector(x + r * head_dim, head_dim, bits, cluster_dim, clip, thr, codes + r * head_dim * bits / 8,
-                         scale + r * groups, zero + r * groups))
+    if (!quantize_vector(x + r * head_dim, head_dim, bits, cluster_dim, clip, lv, thr, feedback, work.data(),
+                         codes + r * head_dim * bits / 8, scale + r * groups, zero + r * groups))
       return fail("input row ", r, " exceeds the range of scale_dtype=float16 (max 65504): expected smaller magnitudes");
   return {};
 }
 
-const char* const kBufferNames[kNumBuffers] = {"q",       "k_new",   "v_new",   "k_sink",   "v_sink",   "k_recent",
-                                               "v_recent", "k_codes", "k_scale", "k_zero",   "v_codes",  "v_scale",
-                                               "v_zero",   "k_levels", "v_levels", "out"};
+const char* const kBufferNames[kNumBuffers] = {"q",        "k_new",    "v_new",      "k_sink",  "v_sink",   "k_recent",
+                                               "v_recent", "k_codes",  "k_scale",    "k_zero",  "v_codes",  "v_scale",
+                                               "v_zero",   "k_levels", "v_levels",   "k_feedback", "out"};
 
 int64_t BufferShape::count() const {
   int64_t n = 1;
@@ -689,6 +724,8 @@ Status buffer_shapes(const AttentionConfig& c, const AttentionDims& d, BufferSha
   if (Status st = check_clip("v_clip", c.v_clip); !st.ok()) return st;
   if (!std::isfinite(c.scaling)) return fail("scaling=", c.scaling, ": expected a finite number");
   if (c.threads < 0) return fail("threads=", c.threads, ": expected >= 0 (0 = one per core)");
+  if (c.k_rounding != 0 && c.k_rounding != 1)
+    return fail("k_rounding=", c.k_rounding, ": expected 0 (nearest) or 1 (feedback: k_feedback given)");
   if (c.kernel < Kernel::kAuto || c.kernel > Kernel::kSimd)
     return fail("kernel=", int(c.kernel), ": expected 0 (auto), 1 (dense), 2 (scalar) or 3 (simd)");
   if (c.kernel == Kernel::kSimd && !simd_available())
@@ -721,7 +758,7 @@ Status buffer_shapes(const AttentionConfig& c, const AttentionDims& d, BufferSha
       {3, {H, d.recent_cap, D}},          {3, {H, d.body_cap, D * c.k_bits / 8}}, {3, {H, d.body_cap, G}},
       {3, {H, d.body_cap, G}},            {3, {H, d.body_cap, D * c.v_bits / 8}}, {3, {H, d.body_cap, G}},
       {3, {H, d.body_cap, G}},            {1, {int64_t(1) << c.k_bits}},  {1, {int64_t(1) << c.v_bits}},
-      {3, {d.q_heads, d.tokens, D}}};
+      c.k_rounding ? BufferShape{3, {H, D, D}} : BufferShape{1, {0}}, {3, {d.q_heads, d.tokens, D}}};
   for (int i = 0; i < kNumBuffers; ++i) {
     int64_t n = 1;
     for (int j = 0; j < all[i].rank; ++j)
@@ -746,11 +783,12 @@ Status oscar_attention(const AttentionArgs& a) {
     return fail("cache capacity exceeded: length ", a.length, " + ", d.tokens, " tokens > max_context ", C);
   const void* ptrs[kNumBuffers] = {a.q,       a.k_new,    a.v_new,    a.k.sink,  a.v.sink,  a.k.recent,
                                    a.v.recent, a.k.codes,  a.k.scale,  a.k.zero,  a.v.codes, a.v.scale,
-                                   a.v.zero,   a.k.levels, a.v.levels, a.out};
+                                   a.v.zero,   a.k.levels, a.v.levels, a.k_feedback, a.out};
   for (int i = 0; i < kNumBuffers; ++i)
     if (!ptrs[i] && shapes[i].count() > 0) return fail(kBufferNames[i], " is null: expected ", shapes[i].count(), " elements");
   if (Status st = check_levels("k_levels", a.k.levels, a.config.k_bits); !st.ok()) return st;
   if (Status st = check_levels("v_levels", a.v.levels, a.config.v_bits); !st.ok()) return st;
+  if (Status st = check_feedback(a.k_feedback, shapes[15].count()); !st.ok()) return st;
   for (int64_t i = 0; i < shapes[0].count(); ++i)
     if (!std::isfinite(a.q[i])) return fail("q contains ", std::isnan(a.q[i]) ? "NaN" : "inf", ": expected finite values");
   if (Status st = check_finite_f16("k_new", a.k_new, shapes[1].count()); !st.ok()) return st;
@@ -794,7 +832,7 @@ Status oscar_attention(const AttentionArgs& a) {
   }
   if (job.failed) return fail("out of memory for ", layer.scratch_floats(), " floats of attention scratch");
   if (layer.fused()) {  // the ring slot the new token takes is read above: append only after every slice
-    std::vector<float>& row = thread_scratch(d.head_dim);
+    std::vector<float>& row = thread_scratch(2 * d.head_dim);
     for (int64_t h = 0; h < d.kv_heads; ++h) {
       layer.finish(h, job.states.data() + h * job.slices * layer.state_floats(), job.slices);
       layer.append(h, row.data());

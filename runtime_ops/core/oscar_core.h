@@ -22,8 +22,10 @@ float f16_to_f32(uint16_t h);
 // Quantizes `rows` fp32 vectors of head_dim values (docs/format.md sections 3-4, fp16
 // scale_dtype): codes [rows, head_dim*bits/8], scale and zero [rows, head_dim/cluster_dim]
 // as fp16 bits. levels: 2^bits ascending code-unit levels, or nullptr for uniform.
+// feedback: K's error-feedback weights [head_dim, head_dim] (section 3, step 5), or nullptr for nearest rounding.
 Status quantize_pack(const float* x, int64_t rows, int64_t head_dim, int bits, int cluster_dim, float clip,
-                     const float* levels, uint8_t* codes, uint16_t* scale, uint16_t* zero);
+                     const float* levels, uint8_t* codes, uint16_t* scale, uint16_t* zero,
+                     const float* feedback = nullptr);
 
 // Which path runs. Decode steps (T == 1) take the fused kernels unless kDense; prefill chunks
 // (T > 1) always take the dense path, with the SIMD dot/axpy/exp unless kDense or kScalar.
@@ -44,6 +46,7 @@ struct AttentionConfig {
   // thread per core from the core's persistent workers (fewer for small calls); N: at most N threads.
   int32_t threads = 1;
   Kernel kernel = Kernel::kAuto;
+  int32_t k_rounding = 0;  // 0: K codes to the nearest level; 1: with error feedback (AttentionArgs::k_feedback)
 };
 
 // Tensor sizes of one layer's op call. Capacities are those of a cache of
@@ -72,6 +75,7 @@ struct AttentionArgs {
   const uint16_t* k_new = nullptr;  // [Hkv, T, D] fp16, rotated
   const uint16_t* v_new = nullptr;
   KindCache k, v;
+  const float* k_feedback = nullptr;  // [Hkv, D, D] fp32 with config.k_rounding 1 (format.md section 3, step 5)
   int64_t length = 0;  // tokens cached before this chunk
   float* out = nullptr;  // [Hq, T, D] fp32, rotated (V) space
   // The runtime's own thread pool, used when config.threads == 0: runs fn(data, i) for every
@@ -93,8 +97,8 @@ std::string simd_kernel_sets();
 
 // Element counts of the op's buffers, in the ONNX op's input order, then `out`.
 // Adapters compare what they were given against these before calling oscar_attention.
-constexpr int kNumBuffers = 16;
-extern const char* const kBufferNames[kNumBuffers];  // "q", "k_new", ..., "v_levels", "out"
+constexpr int kNumBuffers = 17;
+extern const char* const kBufferNames[kNumBuffers];  // "q", "k_new", ..., "v_levels", "k_feedback", "out"
 struct BufferShape {
   int rank;
   int64_t dim[3];

@@ -33,7 +33,8 @@ constexpr int kInputs = oscar::kNumBuffers - 1;  // the buffers before "out"
 constexpr ScalarType kInputTypes[kInputs] = {
     ScalarType::Float, ScalarType::Half, ScalarType::Half, ScalarType::Half, ScalarType::Half,
     ScalarType::Half,  ScalarType::Half, ScalarType::Byte, ScalarType::Half, ScalarType::Half,
-    ScalarType::Byte,  ScalarType::Half, ScalarType::Half, ScalarType::Float, ScalarType::Float};
+    ScalarType::Byte,  ScalarType::Half, ScalarType::Half, ScalarType::Float, ScalarType::Float, ScalarType::Float};
+constexpr int kFeedback = 15;
 
 const char* type_name(ScalarType t) {
   switch (t) {
@@ -85,6 +86,8 @@ std::string check(const Tensor* in[kInputs], const Tensor& length, Tensor& out, 
              ": expected rank 3";
   a.dims = {in[0]->size(0), in[1]->size(0), in[0]->size(1), in[0]->size(2),
             in[3]->size(1), in[5]->size(1), in[7]->size(1)};
+  // K's error-feedback weights: [kv_heads, head_dim, head_dim], or an empty tensor for nearest rounding.
+  a.config.k_rounding = in[kFeedback]->numel() > 0;
   oscar::BufferShape want[oscar::kNumBuffers];
   if (oscar::Status st = oscar::buffer_shapes(a.config, a.dims, want); !st.ok()) return st.error;
   for (int i = 0; i < kInputs; ++i) {
@@ -106,11 +109,13 @@ std::string check(const Tensor* in[kInputs], const Tensor& length, Tensor& out, 
 Tensor& attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& k_new, const Tensor& v_new,
                       Tensor& k_sink, Tensor& v_sink, Tensor& k_recent, Tensor& v_recent, Tensor& k_codes,
                       Tensor& k_scale, Tensor& k_zero, Tensor& v_codes, Tensor& v_scale, Tensor& v_zero,
-                      const Tensor& k_levels, const Tensor& v_levels, const Tensor& length, int64_t k_bits,
+                      const Tensor& k_levels, const Tensor& v_levels, const Tensor& k_feedback,
+                      const Tensor& length, int64_t k_bits,
                       int64_t v_bits, int64_t cluster_dim, int64_t sink, int64_t recent, double k_clip, double v_clip,
                       double scaling, Tensor& out) {
   const Tensor* in[kInputs] = {&q,       &k_new,   &v_new,  &k_sink,  &v_sink,  &k_recent, &v_recent, &k_codes,
-                               &k_scale, &k_zero,  &v_codes, &v_scale, &v_zero, &k_levels, &v_levels};
+                               &k_scale, &k_zero,  &v_codes, &v_scale, &v_zero, &k_levels, &v_levels,
+                               &k_feedback};
   oscar::AttentionArgs a;
   auto narrow = [](int64_t v) { return v < INT32_MIN || v > INT32_MAX ? INT32_MIN : int32_t(v); };
   a.config.k_bits = narrow(k_bits), a.config.v_bits = narrow(v_bits), a.config.cluster_dim = narrow(cluster_dim);
@@ -127,6 +132,7 @@ Tensor& attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& 
            k_levels.const_data_ptr<float>()};
     a.v = {f16(v_sink), f16(v_recent), v_codes.mutable_data_ptr<uint8_t>(), f16(v_scale), f16(v_zero),
            v_levels.const_data_ptr<float>()};
+    a.k_feedback = k_feedback.const_data_ptr<float>();
     a.length = length.const_data_ptr<int64_t>()[0];
     a.out = out.mutable_data_ptr<float>();
     error = oscar::oscar_attention(a).error;

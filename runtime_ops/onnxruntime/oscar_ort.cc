@@ -25,13 +25,14 @@
 
 namespace {
 
-constexpr int kInputs = 16;  // the 15 buffers of oscar::kBufferNames before "out", then length
+constexpr int kInputs = 17;  // the 16 buffers of oscar::kBufferNames before "out", then length
 constexpr ONNXTensorElementDataType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
                                     kF16 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16,
                                     kU8 = ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8,
                                     kI64 = ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-constexpr ONNXTensorElementDataType kInputTypes[kInputs] = {kF32, kF16, kF16, kF16, kF16, kF16, kF16, kU8,
-                                                            kF16, kF16, kU8,  kF16, kF16, kF32, kF32, kI64};
+constexpr ONNXTensorElementDataType kInputTypes[kInputs] = {kF32, kF16, kF16, kF16, kF16, kF16, kF16, kU8,  kF16,
+                                                            kF16, kU8,  kF16, kF16, kF32, kF32, kF32, kI64};
+constexpr int kFeedback = 15, kLength = 16;
 
 const char* type_name(ONNXTensorElementDataType t) {
   switch (t) {
@@ -106,8 +107,8 @@ struct Kernel {
                      type_name(kInputTypes[i]));
       shapes.push_back(info.GetShape());
     }
-    if (shapes[15].size() > 1 || in[15].GetTensorTypeAndShapeInfo().GetElementCount() != 1)
-      return error("input 'length' has shape " + shape_string(shapes[15]) + ": expected [1]");
+    if (shapes[kLength].size() > 1 || in[kLength].GetTensorTypeAndShapeInfo().GetElementCount() != 1)
+      return error("input 'length' has shape " + shape_string(shapes[kLength]) + ": expected [1]");
     // Sizes come from q, k_new and the three cache regions; every input is then checked against them.
     for (int i : {0, 1, 3, 5, 7})
       if (shapes[i].size() != 3)
@@ -115,6 +116,8 @@ struct Kernel {
                      ": expected rank 3");
     oscar::AttentionArgs a;
     a.config = config;
+    // K's error-feedback weights: [kv_heads, head_dim, head_dim], or an empty tensor for nearest rounding.
+    a.config.k_rounding = in[kFeedback].GetTensorTypeAndShapeInfo().GetElementCount() > 0;
     a.dims = {shapes[0][0], shapes[1][0], shapes[0][1], shapes[0][2], shapes[3][1], shapes[5][1], shapes[7][1]};
     a.config.scaling = scaling ? *scaling : 1.0f / std::sqrt(float(a.dims.head_dim > 0 ? a.dims.head_dim : 1));
     oscar::BufferShape want[oscar::kNumBuffers];
@@ -133,7 +136,8 @@ struct Kernel {
            in[13].GetTensorData<float>()};
     a.v = {f16(4), f16(6), static_cast<uint8_t*>(const_cast<void*>(in[10].GetTensorRawData())), f16(11), f16(12),
            in[14].GetTensorData<float>()};
-    a.length = in[15].GetTensorData<int64_t>()[0];
+    a.k_feedback = in[kFeedback].GetTensorData<float>();
+    a.length = in[kLength].GetTensorData<int64_t>()[0];
     a.out = ctx.GetOutput(0, {a.dims.q_heads, a.dims.tokens, a.dims.head_dim}).GetTensorMutableData<float>();
     a.parallel_for = ort_parallel_for, a.pool = &ctx;
     if (oscar::Status st = oscar::oscar_attention(a); !st.ok()) return error(st.error);

@@ -70,6 +70,7 @@ struct Cache {
   std::vector<uint16_t> sink[2], recent[2], scale[2], zero[2];
   std::vector<uint8_t> codes[2];
   std::vector<float> levels[2];
+  std::vector<float> feedback;  // K's error-feedback weights [Hkv, D, D] with cfg.k_rounding 1
 
   Cache(const AttentionConfig& c, int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t max_context,
         const std::vector<float>& k_levels, const std::vector<float>& v_levels)
@@ -101,6 +102,7 @@ struct Cache {
     a.q = q, a.k_new = k, a.v_new = v, a.length = length, a.out = out;
     a.k = {sink[0].data(), recent[0].data(), codes[0].data(), scale[0].data(), zero[0].data(), levels[0].data()};
     a.v = {sink[1].data(), recent[1].data(), codes[1].data(), scale[1].data(), zero[1].data(), levels[1].data()};
+    a.k_feedback = feedback.data();
     return oscar_attention(a);
   }
 
@@ -392,9 +394,12 @@ void test_golden(const std::string& dir) {
   cfg.k_bits = int(num("k_bits")), cfg.v_bits = int(num("v_bits")), cfg.cluster_dim = int(num("cluster_dim"));
   cfg.sink = int64_t(num("sink")), cfg.recent = int64_t(num("recent"));
   cfg.k_clip = float(num("k_clip")), cfg.v_clip = float(num("v_clip")), cfg.scaling = float(num("scaling"));
+  cfg.k_rounding = int(num("k_rounding"));
   const int64_t Hq = int64_t(num("q_heads")), Hkv = int64_t(num("kv_heads")), D = int64_t(num("head_dim")),
                 N = int64_t(num("tokens")), P = int64_t(num("prefill"));
   const std::string name = meta["name"];
+  // K's error-feedback weights [Hkv, D, D]; the codec vectors use KV head 0's.
+  const std::vector<float> feedback = cfg.k_rounding ? read_bin<float>(dir + "/k_feedback.bin") : std::vector<float>{};
 
   // Codec: bit-exact.
   const auto x = read_bin<float>(dir + "/codec_input.bin");
@@ -404,7 +409,8 @@ void test_golden(const std::string& dir) {
   std::vector<uint8_t> codes(rows * D * cbits / 8);
   std::vector<uint16_t> scale(rows * G), zero(rows * G);
   const Status st = quantize_pack(x.data(), rows, D, cbits, cfg.cluster_dim, float(num("codec_clip")),
-                                  codec_levels.data(), codes.data(), scale.data(), zero.data());
+                                  codec_levels.data(), codes.data(), scale.data(), zero.data(),
+                                  cfg.k_rounding ? feedback.data() : nullptr);
   EXPECT(st.ok(), "%s codec: %s", name.c_str(), st.error.c_str());
   EXPECT(codes == read_bin<uint8_t>(dir + "/codec_codes.bin"), "%s: codec codes differ", name.c_str());
   EXPECT(scale == read_bin<uint16_t>(dir + "/codec_scale.bin"), "%s: codec scales differ", name.c_str());
@@ -427,6 +433,7 @@ void test_golden(const std::string& dir) {
     cfg.kernel = kernel;
     cfg.threads = kernel == Kernel::kScalar ? 2 : 1;
     Cache cache(cfg, Hq, Hkv, D, N, read_bin<float>(dir + "/k_levels.bin"), read_bin<float>(dir + "/v_levels.bin"));
+    cache.feedback = feedback;
     std::vector<float> out(Hq * P * D);
     const auto qp = slice(q, Hq, 0, P);
     const auto kp = slice(k, Hkv, 0, P), vp = slice(v, Hkv, 0, P);

@@ -40,8 +40,8 @@ def test_op_names_a_wrong_buffer():
     cfg = case.config
     with pytest.raises(OscarInputError, match="k_scale"):
         torch.ops.oscar.attention(q, k, v, *(cache[n] for n in CACHE_NAMES), cache["k_levels"], cache["v_levels"],
-                                  torch.tensor([0]), cfg.k_bits, cfg.v_bits, cfg.cluster_dim, cfg.sink, cfg.recent,
-                                  cfg.k_clip, cfg.v_clip, case.scaling)
+                                  cache["k_feedback"], torch.tensor([0]), cfg.k_bits, cfg.v_bits, cfg.cluster_dim,
+                                  cfg.sink, cfg.recent, cfg.k_clip, cfg.v_clip, case.scaling)
 
 
 # -- the model ----------------------------------------------------------------------------------

@@ -43,6 +43,8 @@ from oscar_export.kernels.triton_oscar import (
 VECTORS = Path(__file__).resolve().parents[1] / "vectors"
 INDEX = json.loads((VECTORS / "index.json").read_text())
 CASES = sorted(INDEX["cases"])
+# The quantize kernel rounds to the nearest level; K's error feedback is the reference append's (checked below).
+NEAREST = [name for name in CASES if INDEX["cases"][name]["config"].get("k_rounding", "nearest") == "nearest"]
 REGIONS = ("sink", "recent", "codes", "scale", "zero")
 
 if DEVICE == "cpu" and not interpreting():  # pragma: no cover - the kernels module was imported before this file set the flag
@@ -73,7 +75,7 @@ def load_case(name):
 # -- (a) quantize_pack equals the golden codec vectors --------------------------------------
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", NEAREST)
 def test_quantize_pack_matches_golden_codec_vectors(name):
     meta, cfg, t = load_case(name)
     levels = t["cache.k_levels"][0] if cfg.codebook == "lloyd-max" else None
@@ -217,3 +219,27 @@ def test_decode_attend_rejects_a_chunk():
     with pytest.raises(OscarInputError, match="q_heads"):
         triton_decode_attend(cache, 0, zeros(3, 1, 64), zeros(2, 1, 64), zeros(2, 1, 64))
     assert cache.length[0] == 0
+
+
+def test_feedback_rounding_decodes_with_the_kernel_and_appends_through_the_reference():
+    """The decode kernel reads any packed body; a cache whose K codes are chosen with error feedback appends through
+    the reference storage path, and the Triton quantize kernel, which rounds to the nearest level, refuses it."""
+    gen = torch.Generator().manual_seed(9)
+    weights = torch.triu(torch.randn(1, 2, 64, 64, generator=gen) * 0.3, 1)
+    config = OscarConfig(k_rounding="feedback", sink=2, recent=3)
+    cache = OscarKVCache(config, 1, 2, 64, 24, device=DEVICE, k_feedback=weights)
+    twin = OscarKVCache(config, 1, 2, 64, 24, k_feedback=weights)
+    q, k, v = (torch.randn(h, 20, 64, generator=gen) for h in (4, 2, 2))
+    for c in (cache, twin):
+        c.attend(0, *(x[:, :16].to(c.device) for x in (q, k, v)))
+    out = triton_decode_attend(cache, 0, q[:, 16:17].to(DEVICE), k[:, 16:17].to(DEVICE), v[:, 16:17].to(DEVICE))
+    torch.testing.assert_close(out.cpu(), twin.attend(0, q[:, 16:17], k[:, 16:17], v[:, 16:17]), rtol=1e-5,
+                               atol=1e-5)
+    for region in REGIONS:
+        assert_same_bits(getattr(cache, region)["k"][0], getattr(twin, region)["k"][0], f"k.{region}")
+    with pytest.raises(OscarInputError, match="k_rounding='feedback': the Triton quantize kernel rounds K to the "
+                                              "nearest level only"):
+        triton_append(cache, 0, k[:, 17:18].to(DEVICE), v[:, 17:18].to(DEVICE))
+    with pytest.raises(OscarInputError, match="nearest level only"):
+        triton_decode_attend(cache, 0, q[:, 17:18].to(DEVICE), k[:, 17:18].to(DEVICE), v[:, 17:18].to(DEVICE),
+                             append="triton")

@@ -45,8 +45,10 @@ def test_quantize_pack_matches_golden_codec(core, name):
     meta = INDEX["cases"][name]
     t = load_file(str(VECTORS / meta["file"]))
     levels = t["cache.k_levels"][0].numpy() if meta["config"]["codebook"] == "lloyd-max" else None
+    # The codec vectors of a feedback case use layer 0's weights of KV head 0 (tests/vectors/make_vectors.py).
+    feedback = t["cache.k_feedback"][0, 0].numpy() if meta["config"].get("k_rounding") == "feedback" else None
     codes, scale, zero = core.quantize_pack(t["codec.input"].numpy(), meta["codec_bits"],
-                                            meta["config"]["cluster_dim"], meta["codec_clip"], levels)
+                                            meta["config"]["cluster_dim"], meta["codec_clip"], levels, feedback)
     assert same_bits(codes, t["codec.codes"].numpy())
     assert same_bits(scale, t["codec.scale"].numpy())
     assert same_bits(zero, t["codec.zero"].numpy())
@@ -67,9 +69,12 @@ def test_quantize_pack_random_matches_codec(core):
         levels = np.sort(rng.uniform(0, 2**bits - 1, 2**bits)).astype(np.float32) if rng.random() < 0.3 else None
         if levels is not None and (np.diff(levels) <= 0).any():
             continue
+        # Error-feedback weights of calibration's size (strictly upper, about 1) in a third of the draws.
+        feedback = np.triu(rng.standard_normal((d, d), dtype=np.float32) * 0.3, 1) if rng.random() < 0.3 else None
         ref_levels = None if levels is None else torch.from_numpy(levels)
-        want = quantize(torch.from_numpy(x), bits, cluster_dim, clip, ref_levels)
-        got = core.quantize_pack(x, bits, cluster_dim, clip, levels)
+        want = quantize(torch.from_numpy(x), bits, cluster_dim, clip, ref_levels,
+                        feedback=None if feedback is None else torch.from_numpy(feedback))
+        got = core.quantize_pack(x, bits, cluster_dim, clip, levels, feedback)
         for g, w in zip(got, want):
             assert same_bits(g, w.numpy())
 
@@ -118,12 +123,24 @@ def test_bad_input_is_an_error_and_writes_nothing(core):
         core.attention(case, cache, q_nan, k, v, length=0)
     with pytest.raises(NativeError, match="kernel=9"):
         core.attention(case, cache, q, k, v, length=0, kernel=9)
+    weights = np.zeros((case.kv_heads, case.head_dim, case.head_dim), np.float32)
+    with pytest.raises(NativeError, match=f"k_feedback has 10 elements: expected {weights.size}"):
+        core.attention(case, dict(cache, k_feedback=weights.ravel()[:10].copy()), q, k, v, length=0)
+    weights[1, 2, 3] = np.nan
+    with pytest.raises(NativeError, match="k_feedback holds nan at .*: expected finite weights"):
+        core.attention(case, dict(cache, k_feedback=weights), q, k, v, length=0)
     for name, a in cache.items():
         assert same_bits(a, before[name]), f"a failed call changed {name}"
     with pytest.raises(NativeError, match="cluster_dim=48"):
         core.quantize_pack(np.zeros((1, 96), np.float32), 2, 48)
     with pytest.raises(NativeError, match="scale_dtype=float16"):
         core.quantize_pack(np.full((1, 64), 1e30, np.float32) * np.arange(64, dtype=np.float32), 2, 64)
+    with pytest.raises(NativeError, match="feedback has 64 elements: expected 4096"):
+        core.quantize_pack(np.zeros((1, 64), np.float32), 2, 64, feedback=np.zeros(64, np.float32))
+    with pytest.raises(NativeError, match="k_feedback holds 100 at 5: expected finite weights"):
+        weights = np.zeros((64, 64), np.float32)
+        weights.flat[5] = 100
+        core.quantize_pack(np.zeros((1, 64), np.float32), 2, 64, feedback=weights)
 
 
 # -- the C++ test executable: native, sanitizers, aarch64 -------------------------------------

@@ -365,3 +365,36 @@ def test_per_layer_key_bits_run_in_onnx_runtime(tmp_path, prompt):
         assert got["layer2.k_codes"].shape[-1] == 64 * 4 // 8  # 4-bit K in layer 2
         counts = layer_body_mismatches(got, want, mixed["k_bits_by_layer"], 2, body)
         assert_within_bounds(counts, runtime)
+
+
+def test_feedback_rounding_runs_in_onnx_runtime(tmp_path, prompt):
+    """K's codes chosen with error feedback: the native op and the pure-ONNX fallback both give the eager module's
+    tokens and, up to counted rounding, its codes; and the codes are not those of nearest rounding."""
+    from oscar_export.rotation_files import RotationSet, save_rotations
+    from oscar_export.rotations import hadamard_rotations
+
+    rot = hadamard_rotations(4, 64)
+    weights = torch.triu(torch.randn(4, 2, 64, 64, generator=torch.Generator().manual_seed(3)) * 0.3, 1)
+    path = tmp_path / "feedback.safetensors"
+    save_rotations(path, RotationSet(k=rot, v=rot, metadata={"k_rounding": "feedback"}, k_feedback=weights))
+    config = dict(CONFIG, k_rounding="feedback")
+    manifest = export_artifact("laptop", "bundled", tmp_path / "fb", str(path), CONTEXT, float_weights=True, **config)
+    assert manifest["config"]["k_rounding"] == "feedback"
+    want = {}
+    for rounding in ("feedback", "nearest"):
+        module = OscarCausalLM(load_model("bundled")[0], OscarConfig(**dict(config, k_rounding=rounding)),
+                               str(path)).eval()
+        cache = module.new_cache(CONTEXT)
+        with torch.no_grad():
+            module(torch.tensor([prompt]), torch.zeros(1, dtype=torch.int64), *cache)
+        want[rounding] = {name: t.numpy() for (name, _, _), t in zip(module.cache_spec(CONTEXT), cache)}
+        if rounding == "feedback":
+            tokens = greedy(module, torch.tensor([prompt]), 16, CONTEXT)
+    body = PROMPT - WINDOWS["sink"] - WINDOWS["recent"]
+    nearest = layer_body_mismatches(want["nearest"], want["feedback"], (2,) * 4, 2, body, regions=("codes",))
+    assert nearest["codes"][0] > 0.1 * nearest["codes"][1]  # V's codes are the same; a good share of K's move
+    for runtime in ("onnxruntime", "onnx-fallback"):
+        assert OrtLM(tmp_path / "fb", runtime, threads=1).generate(prompt, 16) == tokens, runtime
+        lm = OrtLM(tmp_path / "fb", runtime, threads=1)
+        lm.prefill(prompt)
+        assert_within_bounds(layer_body_mismatches(lm.cache_arrays(), want["feedback"], (2,) * 4, 2, body), runtime)

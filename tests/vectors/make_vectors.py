@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from oscar_export.cache import KINDS, OscarKVCache
+from oscar_export.calibrate import ObjectiveAccumulators, feedback_weights
 from oscar_export.codec import dequantize, fit_lloyd_max_levels, normalized_codes, quantize
 from oscar_export.config import OscarConfig
 
@@ -52,6 +53,12 @@ CASES: dict[str, tuple[int, bool, OscarConfig]] = {
     "k2v4_g64_perhead": (64, True, OscarConfig(k_bits=2, v_bits=4, **SMALL_WINDOWS)),
     "b2_g128_d128": (128, False, OscarConfig(cluster_dim=128, **SMALL_WINDOWS)),
     "b2_g32_nowindows_fp32scale": (64, False, OscarConfig(cluster_dim=32, sink=0, recent=0, scale_dtype="float32")),
+    # K rounding with error feedback (format.md section 3, step 5): weights from the case's own queries.
+    "b2_g64_feedback": (64, False, OscarConfig(k_rounding="feedback", k_clip=0.85, **SMALL_WINDOWS)),
+    "k3v2_g32_feedback_perhead": (64, True, OscarConfig(k_bits=3, cluster_dim=32, k_rounding="feedback",
+                                                        **SMALL_WINDOWS)),
+    "b4_g64_feedback": (64, False, OscarConfig(k_bits=4, v_bits=4, k_rounding="feedback", **SMALL_WINDOWS)),
+    "b2_g64_d128_feedback": (128, False, OscarConfig(k_rounding="feedback", k_clip=0.9, **SMALL_WINDOWS)),
 }
 
 # The chunks of every case's sequence: one prefill, then single-token decode steps.
@@ -59,6 +66,7 @@ CHUNKS = [(0, PREFILL)] + [(t, t + 1) for t in range(PREFILL, TOKENS)]
 ORIGINALS = ("cache.q", "cache.k", "cache.v", "cache.k_rotation", "cache.v_rotation", "codec.input")
 ROTATED = ("cache.q_rot", "cache.k_rot", "cache.v_rot")
 LEVELS = ("cache.k_levels", "cache.v_levels")
+FEEDBACK = "cache.k_feedback"  # [layers, kv_heads, D, D]; codec.* use layer 0, KV head 0
 FLOAT_OUTPUTS = ("codec.dequant", "cache.prefill_out", "cache.decode_out", "cache.prefill_out_rot",
                  "cache.decode_out_rot")
 
@@ -105,8 +113,9 @@ def draw_originals(d: int, per_head: bool, cfg: OscarConfig, seed: int) -> dict[
 
 def rotate_originals(t: dict[str, torch.Tensor], cfg: OscarConfig, d: int) -> dict[str, torch.Tensor]:
     """The rotated q (fp32) and k/v (fp16) a kernel consumes, chunk by chunk as OscarKVCache.attend rotates."""
-    # Only the rotations matter here; a uniform codebook needs no levels yet.
-    cache = OscarKVCache(replace(cfg, codebook="uniform"), LAYERS, KV_HEADS, d, TOKENS, t["cache.k_rotation"],
+    # Only the rotations matter here; a uniform codebook and nearest rounding need no levels or weights yet.
+    cache = OscarKVCache(replace(cfg, codebook="uniform", k_rounding="nearest"), LAYERS, KV_HEADS, d, TOKENS,
+                         t["cache.k_rotation"],
                          t["cache.v_rotation"])
     rotated = {key: [] for key in ROTATED}
     for a, b in CHUNKS:
@@ -135,21 +144,32 @@ def inputs(d: int, per_head: bool, cfg: OscarConfig, seed: int, kept: dict[str, 
         t.update(rotate_originals(t, cfg, d))
     if cfg.codebook == "lloyd-max" and any(key not in t for key in LEVELS):
         t.update(fit_levels(t, cfg))
+    if cfg.k_rounding == "feedback" and FEEDBACK not in t:
+        t[FEEDBACK] = fit_feedback(t["cache.q_rot"])
     return t
+
+
+def fit_feedback(q_rot: torch.Tensor) -> torch.Tensor:
+    """Error-feedback weights [1, kv_heads, D, D] from the case's rotated queries, as calibration fits them."""
+    acc = ObjectiveAccumulators(KV_HEADS, q_rot.shape[-1])
+    acc.add_queries(q_rot)
+    return feedback_weights(acc.q_cov, torch.eye(q_rot.shape[-1])).unsqueeze(0)
 
 
 def outputs(t: dict[str, torch.Tensor], cfg: OscarConfig, d: int) -> dict[str, torch.Tensor]:
     """Everything computed from the inputs: codec results, attention outputs, the final cache state."""
     levels = {kind: t.get(f"cache.{kind}_levels") for kind in KINDS}
+    feedback = t.get(FEEDBACK)
     out = {}
     k_levels0 = None if levels["k"] is None else levels["k"][0]
-    packed = quantize(t["codec.input"], cfg.k_bits, cfg.cluster_dim, cfg.k_clip, k_levels0, cfg.scale_dtype)
+    packed = quantize(t["codec.input"], cfg.k_bits, cfg.cluster_dim, cfg.k_clip, k_levels0, cfg.scale_dtype,
+                      None if feedback is None else feedback[0, 0])
     out.update({"codec.codes": packed.codes, "codec.scale": packed.scale, "codec.zero": packed.zero,
                 "codec.dequant": dequantize(*packed, cfg.k_bits, cfg.cluster_dim, k_levels0)})
 
     # The kernel's view: the stored rotated inputs through an identity-rotation cache. From the
     # fp16 K/V on everything is normative, so this is the state every backend must reach.
-    rotated = OscarKVCache(cfg, LAYERS, KV_HEADS, d, TOKENS, None, None, levels["k"], levels["v"])
+    rotated = OscarKVCache(cfg, LAYERS, KV_HEADS, d, TOKENS, None, None, levels["k"], levels["v"], k_feedback=feedback)
     outs = [rotated.attend(0, t["cache.q_rot"][:, a:b], t["cache.k_rot"][:, a:b].float(),
                            t["cache.v_rot"][:, a:b].float()) for a, b in CHUNKS]
     out["cache.prefill_out_rot"] = outs[0]
@@ -161,7 +181,7 @@ def outputs(t: dict[str, torch.Tensor], cfg: OscarConfig, d: int) -> dict[str, t
 
     # End to end from the originals, in the model's space: float work, for end-to-end checks.
     full = OscarKVCache(cfg, LAYERS, KV_HEADS, d, TOKENS, t["cache.k_rotation"], t["cache.v_rotation"],
-                        levels["k"], levels["v"])
+                        levels["k"], levels["v"], k_feedback=feedback)
     outs = [full.attend(0, t["cache.q"][:, a:b], t["cache.k"][:, a:b], t["cache.v"][:, a:b]) for a, b in CHUNKS]
     out["cache.prefill_out"] = outs[0]
     out["cache.decode_out"] = torch.stack([o[:, 0] for o in outs[1:]])
@@ -169,7 +189,7 @@ def outputs(t: dict[str, torch.Tensor], cfg: OscarConfig, d: int) -> dict[str, t
 
 
 def role(key: str) -> str:
-    if key in ORIGINALS or key in ROTATED or key in LEVELS:
+    if key in ORIGINALS or key in ROTATED or key in LEVELS or key == FEEDBACK:
         return "input"
     return "float" if key in FLOAT_OUTPUTS else "normative"
 

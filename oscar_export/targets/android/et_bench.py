@@ -30,17 +30,20 @@ MIN_SECONDS, MIN_RUNS = 0.5, 10
 
 
 class _OscarStep(nn.Module):
-    def __init__(self, cache: dict[str, torch.Tensor], levels: dict[str, torch.Tensor], attrs: tuple):
+    def __init__(self, cache: dict[str, torch.Tensor], levels: dict[str, torch.Tensor], feedback: torch.Tensor,
+                 attrs: tuple):
         super().__init__()
         for name, value in cache.items():
             self.register_buffer(name, value)
         for kind, value in levels.items():
             self.register_buffer(f"{kind}_levels", value)
+        self.register_buffer("k_feedback", feedback)
         self.attrs = attrs
 
     def forward(self, q, k_new, v_new, length):
         cache = [getattr(self, name) for name in CACHE_NAMES]
-        return torch.ops.oscar.attention(q, k_new, v_new, *cache, self.k_levels, self.v_levels, length, *self.attrs)
+        return torch.ops.oscar.attention(q, k_new, v_new, *cache, self.k_levels, self.v_levels, self.k_feedback,
+                                         length, *self.attrs)
 
 
 class _Fp32Step(nn.Module):
@@ -119,11 +122,14 @@ def oscar_step(config: OscarConfig, context: int, q_heads: int, kv_heads: int, h
             cache[name] = (torch.randn(kv_heads, rows, head_dim if region in ("sink", "recent") else groups,
                                        generator=gen) * 0.1).half()
     levels = {kind: torch.arange(2 ** config.bits(kind), dtype=torch.float32) for kind in ("k", "v")}
+    # K's error-feedback weights (the appended row's rounding), of calibration's size; empty: nearest.
+    feedback = (torch.triu(torch.randn(kv_heads, head_dim, head_dim, generator=gen) * 0.3, 1)
+                if config.k_rounding == "feedback" else torch.zeros(0))
     attrs = (config.k_bits, config.v_bits, config.cluster_dim, config.sink, config.recent,
              float(config.k_clip), float(config.v_clip), float(np.float32(head_dim**-0.5)))
     new = [torch.randn(kv_heads, 1, head_dim, generator=gen).half() for _ in ("k", "v")]
     inputs = [torch.randn(q_heads, 1, head_dim, generator=gen), *new, torch.tensor([context - 1])]
-    return cache, _program(_OscarStep(cache, levels, attrs), tuple(inputs)), inputs
+    return cache, _program(_OscarStep(cache, levels, feedback, attrs), tuple(inputs)), inputs
 
 
 def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int = 64,

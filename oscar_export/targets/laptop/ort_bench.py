@@ -86,6 +86,9 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
                 feeds[name] = (rng.standard_normal((kv_heads, *shapes[region])) * 0.1).astype(np.float16)
         for kind in ("k", "v"):
             feeds[f"{kind}_levels"] = np.arange(2 ** config.bits(kind), dtype=np.float32)
+        # K's error-feedback weights (the appended row's rounding), of calibration's size; empty: nearest.
+        feeds["k_feedback"] = (np.triu(rng.standard_normal((kv_heads, head_dim, head_dim), dtype=np.float32) * 0.3, 1)
+                               if config.k_rounding == "feedback" else np.zeros(0, np.float32))
         feeds["length"] = np.array([context - 1], np.int64)
         attrs = dict(zip(ATTRIBUTES, (config.k_bits, config.v_bits, config.cluster_dim, config.sink, config.recent,
                                       config.k_clip, config.v_clip, scaling)))

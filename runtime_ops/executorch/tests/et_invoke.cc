@@ -18,7 +18,7 @@ using executorch::aten::TensorImpl;
 using executorch::runtime::EValue;
 
 namespace {
-constexpr int kTensors = 17;  // q .. v_levels, length, out
+constexpr int kTensors = 18;  // q .. v_levels, k_feedback, length, out
 constexpr int kAttrs = 8;     // k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip, scaling
 }  // namespace
 
@@ -54,7 +54,7 @@ extern "C" __attribute__((visibility("default"))) int oscar_et_invoke(void* cons
                        i == kTensors - 1 ? executorch::aten::TensorShapeDynamism::DYNAMIC_BOUND
                                          : executorch::aten::TensorShapeDynamism::STATIC);
   }
-  // Schema order: q, k_new, v_new, ten cache buffers, k_levels, v_levels, length, attributes, out.
+  // Schema order: q, k_new, v_new, ten cache buffers, k_levels, v_levels, k_feedback, length, attributes, out.
   for (int i = 0; i < kTensors - 1; ++i) values.emplace_back(Tensor(&impls[i]));
   for (int i = 0; i < 5; ++i) values.emplace_back(int_attrs[i]);
   for (int i = 0; i < 3; ++i) values.emplace_back(float_attrs[i]);
