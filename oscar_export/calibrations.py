@@ -68,7 +68,7 @@ def cache_key(model_name: str, text_sha256: str, tokens: int, heldout_tokens: in
 
     fields = {"model": model_digest(model_name), "text": text_sha256, "tokens": tokens, "heldout": heldout_tokens,
               "k_bits": config.k_bits, "v_bits": config.v_bits, "cluster_dim": config.cluster_dim,
-              "scale_dtype": config.scale_dtype, "method": "oscar U.H.P_br",
+              "scale_dtype": config.scale_dtype, "method": "oscar U.H.P_br, windows spread over the model's context",
               "clip_candidates": list(CLIP_CANDIDATES)}
     if config.k_rounding != "nearest":  # the clip search rounds as the cache will; nearest keeps the older keys
         fields["k_rounding"] = config.k_rounding
@@ -132,6 +132,7 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
         "v_bits": config.v_bits,
         "cluster_dim": config.cluster_dim,
         "calibration_tokens": tokens,
+        "calibration_positions": fitted["positions"],  # the calibration windows' offsets span [0, this)
         "heldout_tokens": heldout_tokens,
         # The bundled text by name: the shipped calibration must not carry the path of the machine that made it.
         "calibration_text": "bundled heldout.txt" if Path(text_path) == default_text() else str(text_path),

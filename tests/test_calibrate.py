@@ -6,6 +6,7 @@ from oscar_export.calibrate import (
     FEEDBACK_DAMPING,
     ObjectiveAccumulators,
     calibrate,
+    calibration_positions,
     clip_errors,
     feedback_weights,
     fit_quantizer,
@@ -13,7 +14,7 @@ from oscar_export.calibrate import (
     query_covariance,
     value_weights,
 )
-from oscar_export.capture import collect_qkv
+from oscar_export.capture import capture_qkv, collect_qkv
 from oscar_export.config import OscarConfig
 from oscar_export.rotations import (
     bit_reversal_order,
@@ -148,6 +149,31 @@ def test_calibration_fits_feedback_weights_and_searches_the_clip_with_them():
     assert with_feedback["v_clip_errors"] == nearest["v_clip_errors"]  # V is rounded to nearest either way
     assert with_feedback["k_clip_errors"] != nearest["k_clip_errors"]
     assert min(with_feedback["k_clip_errors"].values()) < min(nearest["k_clip_errors"].values())
+
+
+def test_calibration_windows_are_spread_over_the_model_context():
+    """Window i of n sits at offset round(i * (P - window) / (n - 1)), P the model's context: the fitted weights are
+    those of queries captured there, and differ from those of every window at position 0."""
+    model, window = tiny_model("llama"), 128
+    positions = calibration_positions(model)
+    assert positions == model.config.max_position_embeddings
+    fitted = fit_rotations(model, ByteTokenizer(), TEXT, tokens=512, heldout_tokens=100, window=window)
+    assert fitted["positions"] == positions
+    ids = torch.tensor(ByteTokenizer()(TEXT)["input_ids"][:512])
+    acc = {}
+
+    def add(layer, q, k, v):
+        acc.setdefault(layer, ObjectiveAccumulators(k.shape[1], k.shape[-1])).add_queries(q[0])
+
+    for i in range(4):
+        offset = round(i * (positions - window) / 3)
+        with capture_qkv(model, add), torch.no_grad():
+            model(input_ids=ids[None, i * window:(i + 1) * window],
+                  position_ids=(offset + torch.arange(window))[None], use_cache=False)
+    want = torch.stack([feedback_weights(acc[i].q_cov, fitted["rotations"]["k"][i]) for i in sorted(acc)])
+    assert torch.allclose(fitted["k_feedback"], want, atol=1e-5)
+    at_zero = fit_rotations(model, ByteTokenizer(), TEXT, tokens=512, heldout_tokens=100, window=window, positions=0)
+    assert not torch.allclose(at_zero["k_feedback"], want, atol=1e-3)
 
 
 def test_calibrated_rotation_lowers_attention_error_on_anisotropic_keys():
