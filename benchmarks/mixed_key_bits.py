@@ -33,6 +33,11 @@ retrieval K precision alone buys at 2-bit V (results in mixed_key_bits_<split>_k
 
     nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py --split test --rows "" --k4-ceiling
 
+--k-rounding feedback chooses the --budget format with K's error-feedback rounding (calibrate --k-rounding
+feedback), written to mixed_key_bits_<split>_budget_feedback.*:
+
+    nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py --split test --rows "" --budget 3.0 --k-rounding feedback
+
 --budget-context N sizes the budget at another context. The long-context budget of 2.4 bits per element at 32K
 needs groups of 128, which SmolLM2's head_dim of 64 does not have: its cheapest format there (K2/V2, group 64,
 the smallest windows) costs 2.513, and calibrate refuses 2.4 saying so. 2.6 at 32K is the nearest budget it can
@@ -108,21 +113,24 @@ def error_gains(heldout, rotations, cfg2: OscarConfig, cfg3: OscarConfig) -> lis
     return [error(layer, cfg2) - error(layer, cfg3) for layer in sorted(heldout)]
 
 
-def budget_row(budget: float, context: int, model, tokenizer, calibration_text: str, head_dim: int):
-    """(name, config, wider-K layers, rotations) of the format `calibrate --budget-bits B --context N --per-head`
-    chooses from this split's calibration text (tokens and held-out tokens as the rows above), through the CLI's
-    own path: run_calibration, then the config export and eval take from the file."""
+def budget_row(budget: float, context: int, model, tokenizer, calibration_text: str, head_dim: int,
+               k_rounding: str = "nearest"):
+    """(name, config, wider-K layers, rotations) of the format `calibrate --budget-bits B --context N --per-head
+    [--k-rounding feedback]` chooses from this split's calibration text (tokens and held-out tokens as the rows
+    above), through the CLI's own path: run_calibration, then the config export and eval take from the file."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "calibration.txt"
         path.write_text(calibration_text)
-        rotation_set, seconds = run_calibration(GGUF, OscarConfig(), path, CALIB_TOKENS, CALIB_HELDOUT, per_head=True,
-                                                model=model, tokenizer=tokenizer, budget=(budget, context))
+        rotation_set, seconds = run_calibration(GGUF, OscarConfig(k_rounding=k_rounding), path, CALIB_TOKENS,
+                                                CALIB_HELDOUT, per_head=True, model=model, tokenizer=tokenizer,
+                                                budget=(budget, context))
     config = config_for(rotation_set, head_dim)
     log(f"budget {budget} at {context}: chose {config.describe()} sink {config.sink} recent {config.recent} "
         f"in {seconds} s")
     wide = [i for i, b in enumerate(config.k_bits_by_layer) if b > config.k_bits] or None
-    name = f"budget-{budget:g}" + ("" if context == BITS_CONTEXT else f"@{context // 1024}K")
-    return name, config, wide, {"k": rotation_set.k, "v": rotation_set.v}
+    name = (f"budget-{budget:g}" + ("" if context == BITS_CONTEXT else f"@{context // 1024}K")
+            + ("/feedback" if k_rounding == "feedback" else ""))
+    return name, config, wide, {"k": rotation_set.k, "v": rotation_set.v, "k_feedback": rotation_set.k_feedback}
 
 
 def write_report(args, rows, gains, started, final: bool) -> None:
@@ -135,7 +143,8 @@ def write_report(args, rows, gains, started, final: bool) -> None:
               "complete": final, "rows": rows, "layer_gains": gains, "wall_s": wall}
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = ("" if args.rows else "_k4_ceiling" if args.budget is None
-              else "_budget" + ("" if args.budget_context == BITS_CONTEXT else f"_{args.budget_context}"))
+              else "_budget" + ("" if args.budget_context == BITS_CONTEXT else f"_{args.budget_context}")
+              + ("_feedback" if args.k_rounding == "feedback" else ""))
     stem = args.out / f"mixed_key_bits_{args.split}{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     if not final:
@@ -173,6 +182,8 @@ def main() -> None:
     p.add_argument("--k4-ceiling", action="store_true",
                    help="also measure 4-bit K in every layer at today's windows (3.99 bits at 8K): how much retrieval "
                         "K precision alone can buy at 2-bit V")
+    p.add_argument("--k-rounding", choices=("nearest", "feedback"), default="nearest",
+                   help="K rounding the --budget format is chosen with (calibrate --k-rounding; default nearest)")
     p.add_argument("--needle-seeds", type=int, default=NEEDLE_SEEDS, metavar="N",
                    help=f"needle sequences (each 5 x 16 scored tokens; default {NEEDLE_SEEDS})")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/eval")
@@ -202,7 +213,8 @@ def main() -> None:
 
     def run(name, config, wider_k_layers=None, rot=rotations):
         def make(n):
-            return EvalOscarKVCache(config, layers, kv_heads, head_dim, n, rot["k"], rot["v"])
+            return EvalOscarKVCache(config, layers, kv_heads, head_dim, n, rot["k"], rot["v"],
+                                    k_feedback=rot["k_feedback"] if config.k_rounding == "feedback" else None)
 
         rows[name] = measure(model, make, config, window, cases, needle_length, head_dim)
         rows[name].update(wider_k_layers=wider_k_layers, config=config.to_dict(),
@@ -237,7 +249,7 @@ def main() -> None:
             list(range(layers)))
     if args.budget is not None:
         name, config, wide, rot = budget_row(args.budget, args.budget_context, model, tokenizer, calibration_text,
-                                             head_dim)
+                                             head_dim, args.k_rounding)
         run(name, config, wide, rot)
         if wide:  # the same group, windows and rotations at one K width: what the wider layers buy
             one_width = replace(config, k_bits_by_layer=(), k_clip_by_layer=())
