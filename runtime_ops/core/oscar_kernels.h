@@ -153,6 +153,15 @@ struct SplitQuery {
 
 constexpr int64_t kPreparedBytes = sizeof(SplitQuery);
 
+// The softmax's exp in every SIMD set: exp(x) = 2^n e^r with n = round(x / ln 2) and r = x - n ln 2 (ln 2 in
+// two parts, so r is exact), then a degree-6 polynomial for e^r (relative error about 2e-7), in Horner's order
+// from kExpPoly[0]. Inputs are clamped to [kExpMin, kExpMax]: the softmax only sees x <= 0, and weights below
+// exp(-87) ~ 1.6e-38 add nothing to a sum that is at least 1.
+constexpr float kExpMin = -87.0f, kExpMax = 88.0f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 // A SIMD kernel set is a class template Impl<BITS, NH> with static scores() and values() for NH
 // (1..4) query heads at a time, so each unpacked word feeds NH register accumulators. These
 // instantiate it for bits 2..4 and walk the heads in chunks of 4. Impl must have internal

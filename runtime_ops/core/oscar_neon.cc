@@ -378,19 +378,14 @@ void neon_values(const BodyView& b, int64_t row0, int n, const float* p, int hea
 
 // ---- softmax pieces ------------------------------------------------------------------------
 
-// exp(x) = 2^n e^r, the same reduction and degree-6 polynomial as oscar_avx2.cc's exp8 (relative
-// error about 2e-7); inputs clamped to [-87, 88], where the softmax's x <= 0 loses nothing.
+// exp on 4 lanes (oscar_kernels.h: kExpPoly).
 inline float32x4_t exp4(float32x4_t x) {
-  x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-87.0f)), vdupq_n_f32(88.0f));
-  const float32x4_t n = vrndnq_f32(vmulq_n_f32(x, 1.44269504088896341f));
-  float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693359375f));  // ln 2 in two parts: r is exact
-  r = vfmsq_f32(r, n, vdupq_n_f32(-2.12194440e-4f));
-  float32x4_t p = vdupq_n_f32(1.9875691500e-4f);
-  p = vfmaq_f32(vdupq_n_f32(1.3981999507e-3f), p, r);
-  p = vfmaq_f32(vdupq_n_f32(8.3334519073e-3f), p, r);
-  p = vfmaq_f32(vdupq_n_f32(4.1665795894e-2f), p, r);
-  p = vfmaq_f32(vdupq_n_f32(1.6666665459e-1f), p, r);
-  p = vfmaq_f32(vdupq_n_f32(5.0000001201e-1f), p, r);
+  x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(kExpMin)), vdupq_n_f32(kExpMax));
+  const float32x4_t n = vrndnq_f32(vmulq_n_f32(x, kLog2e));
+  float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(kLn2Hi));
+  r = vfmsq_f32(r, n, vdupq_n_f32(kLn2Lo));
+  float32x4_t p = vdupq_n_f32(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = vfmaq_f32(vdupq_n_f32(kExpPoly[i]), p, r);
   const float32x4_t y = vaddq_f32(vfmaq_f32(r, vmulq_f32(p, r), r), vdupq_n_f32(1.0f));
   const int32x4_t pow2n = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
   return vmulq_f32(y, vreinterpretq_f32_s32(pow2n));
