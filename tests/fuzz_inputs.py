@@ -216,7 +216,8 @@ for case in range(int(sys.argv[4])):
     kb, vb, cd = pick([2, 3, 4], (-1, 9)), pick([2, 3, 4], (-1, 9)), pick([32, 64, 128], (-1, 200))
     cfg = OscarAttentionConfig(kb, vb, cd, pick([0, 2, 4], (-3, 40)), pick([0, 3, 8], (-3, 40)),
                                choose([1.0, 0.9], [np.nan, 2.0]), choose([1.0, 0.8], [-1.0, np.inf]),
-                               choose([0.125], [np.inf, 0.0]), pick([1, 2], (-2, 100)), pick([0, 1, 2, 3], (-2, 9)))
+                               choose([0.125], [np.inf, 0.0]), pick([1, 2], (-2, 100)), pick([0, 1, 2, 3], (-2, 9)),
+                               pick([0, 1], (-2, 5)))
     hkv = pick([1, 2], (-1, 5)); hq = hkv * pick([1, 2, 4], (0, 3)); t = pick([1, 5], (-1, 30))
     d = pick([cd * int(rng.choice([1, 2])) if cd in (32, 64) else 128], (-1, 300))
     context = int(rng.integers(1, 41))  # valid capacities follow the placement rule for some context
@@ -227,22 +228,23 @@ for case in range(int(sys.argv[4])):
     groups = hkv * caps[2] * (d // cd if cd > 0 else 0)
     shapes = [hq*t*d, hkv*t*d, hkv*t*d, hkv*caps[0]*d, hkv*caps[0]*d, hkv*caps[1]*d, hkv*caps[1]*d,
               hkv*caps[2]*d*max(kb, 0)//8, groups, groups, hkv*caps[2]*d*max(vb, 0)//8, groups, groups,
-              2**max(min(kb, 8), 0), 2**max(min(vb, 8), 0), hq*t*d]
+              2**max(min(kb, 8), 0), 2**max(min(vb, 8), 0), hkv*d*d if cfg.k_rounding == 1 else 0, hq*t*d]
     shapes = [max(n, 0) if rng.random() >= p_bad else int(rng.integers(0, 64)) for n in shapes]
     kinds = [np.float32, np.uint16, np.uint16] + [np.uint16] * 4 + [np.uint8, np.uint16, np.uint16] * 2
-    kinds += [np.float32, np.float32, np.float32]
+    kinds += [np.float32] * 4
     # fp16 buffers hold real fp16 values; codes any byte; levels ascending (as a valid call needs).
     buffers = [(rng.standard_normal(n) * 3).astype(np.float16).view(np.uint16) if k == np.uint16
                else rng.integers(0, 256, n, np.uint8) if k == np.uint8 else (rng.standard_normal(n) * 3).astype(k)
                for n, k in zip(shapes, kinds)]
     for i in (13, 14):
         buffers[i] = np.sort(rng.uniform(0, max(buffers[i].size - 1, 0), buffers[i].size)).astype(np.float32)
+    buffers[15] = (buffers[15] * 0.1).astype(np.float32)  # feedback weights are small (|w| <= 64 is the bound)
     sink, recent = cfg.sink, cfg.recent
     filled = max(min(sink, caps[0]) + min(recent, caps[1]) + caps[2] - max(t, 0), 0)
     err = ctypes.create_string_buffer(256)
     rc = lib.oscar_attention(ctypes.byref(cfg), (ctypes.c_int64 * 7)(*dims),
-                             (ctypes.c_void_p * 16)(*[b.ctypes.data for b in buffers]),
-                             (ctypes.c_int64 * 16)(*[b.size for b in buffers]), ctypes.c_int64(pick([int(rng.integers(0, filled + 1))], (-5, 80))),
+                             (ctypes.c_void_p * 17)(*[b.ctypes.data for b in buffers]),
+                             (ctypes.c_int64 * 17)(*[b.size for b in buffers]), ctypes.c_int64(pick([int(rng.integers(0, filled + 1))], (-5, 80))),
                              err, len(err))
     counts["accepted" if rc == 0 else "refused"] += 1
 print(json.dumps(counts))
