@@ -28,11 +28,11 @@ def parse_bytes(text: str, name: str = "memory") -> int:
 
 def weight_bytes(
     shape: ModelShape, weight_bits: int, embedding_bits: int = 16, group: int = DEFAULT_WEIGHT_GROUP,
-    zero_points: bool = True, head_bits: int | None = None,
+    zero_points: bool = True, head_bits: int | None = None, k_feedback: bool = False,
 ) -> dict[str, int]:
     """Bytes of each part of the weights; linear layers at weight_bits and the lm_head at head_bits (default
     weight_bits), with an fp16 scale per group of input channels and, unless the quantization is symmetric
-    (zero_points=False), an fp16 zero."""
+    (zero_points=False), an fp16 zero. k_feedback counts K's error-feedback weights (k_rounding feedback)."""
     head_bits = weight_bits if head_bits is None else head_bits
 
     def _matrix_bytes(params: int, bits: int) -> int:
@@ -45,8 +45,9 @@ def weight_bytes(
         # matmul cannot read a 16-bit lookup table, so exports store a quantized copy.
         "lm_head": 0 if shape.tied_embeddings and head_bits == embedding_bits
         else _matrix_bytes(shape.vocab * shape.hidden, head_bits),
-        # The K rotation per layer and KV head, fp32 (the V rotation is folded into the weights).
-        "rotations": 4 * shape.layers * shape.kv_heads * shape.head_dim**2,
+        # The K rotation per layer and KV head, fp32 (the V rotation is folded into the weights), and
+        # with feedback rounding K's [D, D] feedback weights beside it, fp32 too.
+        "rotations": 4 * shape.layers * shape.kv_heads * shape.head_dim**2 * (2 if k_feedback else 1),
         # Norm weights and q/k/v biases stay in fp16.
         "norms_and_biases": 2 * ((2 * shape.layers + 1) * shape.hidden
                                  + (shape.layers * shape.head_dim * (shape.q_heads + 2 * shape.kv_heads)
@@ -106,7 +107,8 @@ def plan(
         raise OscarInputError(f"reserve={reserve} bytes: expected 0 <= reserve < device memory ({device_memory})")
     if not isinstance(weight_group, int) or weight_group <= 0:
         raise OscarInputError(f"weight_group={weight_group!r}: expected a positive channel count")
-    weights = weight_bytes(shape, weight_bits, embedding_bits, weight_group, weight_zero_points, head_bits)
+    weights = weight_bytes(shape, weight_bits, embedding_bits, weight_group, weight_zero_points, head_bits,
+                           k_feedback=config.k_rounding == "feedback")
 
     def oscar(n: int) -> int:
         return cache_bytes(config, shape.layers, shape.kv_heads, shape.head_dim, n)

@@ -89,3 +89,21 @@ def test_bad_models_and_plans(tmp_path):
     small = ModelShape.from_hf_config("x", dict(PRESETS["llama-3-8b"], head_dim=64))
     with pytest.raises(OscarInputError, match="cluster_dim=128 does not divide head_dim=64"):
         plan(small, OscarConfig(cluster_dim=128), 8 * GiB, 10)
+
+
+def test_feedback_rounding_counts_the_graph_buffers():
+    """Feedback rounding stores K's [D, D] weights per layer and KV head beside the K rotation; the planner
+    counts the same bytes the exportable graph registers as buffers."""
+    import torch
+
+    from oscar_export.export.graph import OscarDecoderLayer
+    from oscar_export.models import load_model
+
+    (model, _), shape = load_model("bundled"), model_shape("bundled")
+    cfg = OscarConfig(k_rounding="feedback")
+    eye = torch.eye(shape.head_dim).expand(shape.kv_heads, -1, -1)
+    layers = [OscarDecoderLayer(block, cfg, eye, eye, torch.zeros(0), torch.zeros(0), torch.tril(eye * 0.01, -1))
+              for block in model.model.layers]
+    graph_bytes = sum(layer.k_feedback.nbytes + layer.k_rot.nbytes for layer in layers)
+    nearest = plan(shape, OscarConfig(), 8 * GiB, 1024)["weights_breakdown"]["rotations"]
+    assert plan(shape, cfg, 8 * GiB, 1024)["weights_breakdown"]["rotations"] == graph_bytes == 2 * nearest
