@@ -195,7 +195,8 @@ def write_shipped_calibration() -> Path:
 
     path = BUNDLED_MODEL_DIR / SHIPPED_FILE
     path.unlink(missing_ok=True)  # recalibrate even if the old file still matches
-    config = OscarConfig(cluster_dim=default_cluster_dim(model_shape("bundled").head_dim))
+    # The format the default export calibrates for (cli.flags.calibration_config: K with error feedback).
+    config = OscarConfig(cluster_dim=default_cluster_dim(model_shape("bundled").head_dim), k_rounding="feedback")
     return calibrated_rotations("bundled", config, store=path)[0]
 
 

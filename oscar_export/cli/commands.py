@@ -15,7 +15,7 @@ from rich.table import Table
 from .. import __version__
 from ..config import OscarConfig, OscarInputError
 from ..targets import registry
-from .flags import config_from_args
+from .flags import calibration_config, config_from_args
 
 # Runtime name -> Python distribution that provides it.
 RUNTIMES = {
@@ -210,6 +210,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from ..rotation_files import check_writable, export_rotation_zoo, save_rotations, zoo_paths
 
     config = config_from_args(args)
+    if not args.lloyd_max:
+        config = calibration_config(args, config)
     text_path = args.text or default_text()
     read_text(text_path)  # a missing or non-UTF-8 text, or an unwritable --out, fails before calibrating
     check_writable(args.out)

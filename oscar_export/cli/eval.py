@@ -10,7 +10,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .flags import add_cache_flags, config_from_args, number_list, positive_int
+from .flags import add_cache_flags, calibration_config, config_from_args, number_list, positive_int
 from ..config import OscarConfig, OscarInputError
 from ..evaluate import DEFAULT_METHODS, METHODS, METRICS, method_config
 
@@ -56,7 +56,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
         args.model,
         methods=_method_specs(args.methods),
         bits=None,  # --bits/--k-bits/--v-bits are in the config
-        config=config_from_args(args, metadata),
+        # Without a rotation file `oscar` is calibrated here, with the calibration's default K rounding.
+        config=config_from_args(args, metadata) if metadata is not None else calibration_config(args,
+                                                                                                config_from_args(args)),
         rotations=args.rotations,
         contexts=_ints(args.contexts, "--contexts") if args.contexts else None,
         text=args.text,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from ..calibrations import DEFAULT_TOKENS
@@ -76,9 +77,9 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--v-clip", type=float,
                    help=f"fraction of each V group's range kept (default: a rotation file's, else {defaults.v_clip})")
     g.add_argument("--k-rounding", choices=ROUNDINGS,
-                   help=f"how K codes are chosen: nearest level, or feedback (rounding errors moved to the "
-                        f"directions queries read least; needs a calibrated rotation file) (default: a rotation "
-                        f"file's, else {defaults.k_rounding})")
+                   help="how K codes are chosen: nearest level, or feedback (rounding errors moved to the directions "
+                        "queries read least; needs calibrated rotations) (default: a rotation file's; feedback where "
+                        f"the command calibrates; else {defaults.k_rounding})")
     g.add_argument("--sink", type=_count,
                    help=f"fp16 sink tokens (default: a budget-chosen rotation file's, else {defaults.sink})")
     g.add_argument("--recent", type=_count,
@@ -98,6 +99,15 @@ def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = 
         fields["cluster_dim"] = default_cluster_dim(model_shape(args.model).head_dim
                                                     if getattr(args, "model", None) else None)
     return OscarConfig(**{key: value for key, value in fields.items() if value is not None})
+
+
+def calibration_config(args: argparse.Namespace, config: OscarConfig) -> OscarConfig:
+    """The format a calibration is made for: K rounded with error feedback unless --k-rounding says otherwise (the
+    weights come from the calibration itself; on SmolLM2 they buy about what one more K bit does), or the codebook
+    is Lloyd-Max (fitted for nearest rounding)."""
+    if args.k_rounding is None and config.codebook == "uniform":
+        return replace(config, k_rounding="feedback")
+    return config
 
 
 def export_parser(target) -> argparse.ArgumentParser:
@@ -136,7 +146,7 @@ def export_rotations(args: argparse.Namespace) -> tuple[object, str]:
         return args.rotations, args.rotations
     from ..calibrations import calibrated_rotations
 
-    config = config_from_args(args)
+    config = calibration_config(args, config_from_args(args))
     path, reused = calibrated_rotations(args.model, config, args.calibration_text, args.calibration_tokens)
     return path, "calibrated (reused)" if reused else "calibrated"
 
