@@ -1,11 +1,13 @@
 """--rotations calibrate: calibrations cached by what made them, the bundled model's shipped file, bad input."""
 
+import argparse
 import json
 
 import pytest
 
 from oscar_export.calibrations import SHIPPED_FILE, cache_key, calibrated_rotations, default_text, read_text
 from oscar_export.cli import main
+from oscar_export.cli.flags import calibration_config
 from oscar_export.config import OscarConfig
 from oscar_export.models import BUNDLED_MODEL_DIR
 from oscar_export.rotation_files import load_rotations
@@ -19,13 +21,16 @@ def error_line(err: str) -> str:
 
 
 def test_the_default_export_config_reuses_the_shipped_calibration():
-    path, reused = calibrated_rotations("bundled", OscarConfig())
+    # What `oscar-export --target T` calibrates for without cache flags (K with error feedback).
+    config = calibration_config(argparse.Namespace(k_rounding=None), OscarConfig())
+    assert config.k_rounding == "feedback"
+    path, reused = calibrated_rotations("bundled", config)
     assert reused and path == BUNDLED_MODEL_DIR / SHIPPED_FILE
     meta = load_rotations(path).metadata
     _, text_sha256 = read_text(default_text())
     assert meta["method"] == "calibrate" and meta["calibration_text_sha256"] == text_sha256
     assert meta["cache_key"] == cache_key("bundled", text_sha256, meta["calibration_tokens"], meta["heldout_tokens"],
-                                          OscarConfig())
+                                          config)
 
 
 def test_a_calibration_is_made_once_then_reused(tmp_path, monkeypatch):
