@@ -64,7 +64,7 @@ def model_digest(model_name: str) -> str:
 
 
 def cache_key(model_name: str, text_sha256: str, tokens: int, heldout_tokens: int, config: OscarConfig) -> str:
-    from .calibrate import CLIP_CANDIDATES
+    from .calibrate import CLIP_CANDIDATES, FEEDBACK_K_CLIP_FLOOR
 
     fields = {"model": model_digest(model_name), "text": text_sha256, "tokens": tokens, "heldout": heldout_tokens,
               "k_bits": config.k_bits, "v_bits": config.v_bits, "cluster_dim": config.cluster_dim,
@@ -72,6 +72,7 @@ def cache_key(model_name: str, text_sha256: str, tokens: int, heldout_tokens: in
               "clip_candidates": list(CLIP_CANDIDATES)}
     if config.k_rounding != "nearest":  # the clip search rounds as the cache will; nearest keeps the older keys
         fields["k_rounding"] = config.k_rounding
+        fields["k_clip_floor"] = FEEDBACK_K_CLIP_FLOOR
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 

@@ -177,7 +177,7 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
     """The chosen candidate and every candidate considered (attention error for the one-width ones, perplexity
     for their shortlist and the mixed-K ones), from a rotation fit (calibrate.fit_rotations) and its
     calibration text."""
-    from .calibrate import _tokens_from_text, clip_errors, fit_quantizer
+    from .calibrate import _tokens_from_text, clip_candidates, clip_errors, fit_quantizer
 
     found = budget_candidates(budget, context, fitted["head_dim"], lloyd_max, k_rounding)
     for c in found:
@@ -205,7 +205,8 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
     clips = {}
     for bits in range(best.config.k_bits + 1, max(SUPPORTED_BITS) + 1):
         errors = clip_errors(fitted["heldout"], fitted["rotations"], replace(best.config, k_bits=bits), "k",
-                             feedback=fitted["k_feedback"] if k_rounding == "feedback" else None)
+                             clip_candidates("k", k_rounding),
+                             fitted["k_feedback"] if k_rounding == "feedback" else None)
         clips[bits] = min(errors, key=errors.get)
     widest = max(clips)
     gains = layer_gains(model, probe, fitted, best, clips[widest], widest)

@@ -4,6 +4,7 @@ import torch
 from oscar_export.calibrate import (
     CLIP_CANDIDATES,
     FEEDBACK_DAMPING,
+    FEEDBACK_K_CLIP_FLOOR,
     ObjectiveAccumulators,
     calibrate,
     calibration_positions,
@@ -147,8 +148,11 @@ def test_calibration_fits_feedback_weights_and_searches_the_clip_with_them():
     nearest = fit_quantizer(fitted, OscarConfig())
     with_feedback = fit_quantizer(fitted, OscarConfig(k_rounding="feedback"))
     assert with_feedback["v_clip_errors"] == nearest["v_clip_errors"]  # V is rounded to nearest either way
-    assert with_feedback["k_clip_errors"] != nearest["k_clip_errors"]
-    assert min(with_feedback["k_clip_errors"].values()) < min(nearest["k_clip_errors"].values())
+    # K with feedback is searched from no clipping down to the floor only, and errs less than nearest there.
+    searched = with_feedback["k_clip_errors"]
+    assert sorted(searched) == sorted(c for c in CLIP_CANDIDATES if c >= FEEDBACK_K_CLIP_FLOOR) != sorted(CLIP_CANDIDATES)
+    assert with_feedback["k_clip"] >= FEEDBACK_K_CLIP_FLOOR
+    assert min(searched.values()) < min(nearest["k_clip_errors"][c] for c in searched)
 
 
 def test_calibration_windows_are_spread_over_the_model_context():
