@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench_checks import check_step_traffic
-from model_checks import BOUNDS, assert_within_bounds, body_mismatches, layer_body_mismatches
+from model_checks import assert_within_bounds, body_mismatches, layer_body_mismatches
 from backends import BACKEND, replay
 from native_cases import assert_final_cache, random_case
 
@@ -184,10 +184,12 @@ def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, capsys):
     assert main(["parity", "--artifact", str(out), "--prompt-tokens", str(PROMPT), "--steps", "16", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert set(report["runtimes"]) == {"onnxruntime", "onnx-fallback"} and "artifact's weights" in report["reference"]
+    # int8 activations: the K/V entering the op differ upstream by more than ties (docs/parity.md).
+    assert report["thresholds"]["codes_mismatch_fraction"] == 5e-3
     for name in ("onnxruntime", "onnx-fallback"):
         row = report["runtimes"][name]
         print(f"{name}: codes mismatch {row['codes_mismatch_fraction']:.2e}, logits {row['logits_max_rel_error']:.2e}")
-        assert row["ok"] and row["tokens_match"] and row["codes_mismatch_fraction"] <= BOUNDS["codes"], name
+        assert row["ok"] and row["tokens_match"] and row["codes_mismatch_fraction"] <= 5e-3, name
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):

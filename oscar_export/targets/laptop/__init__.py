@@ -75,7 +75,12 @@ class LaptopTarget(Target):
         # summation order, the pure-ONNX fallback's) flips some codes of the next matmul's input, and the flips
         # compound over the layers. The reference rounds as MLAS does (_int8_blocks); measured logits drift:
         # 3e-3 on the 4-layer bundled model, 4.2e-2 (native op) and 7.4e-2 (fallback) on 30-layer SmolLM2.
-        return {"logits_max_rel_error": 1e-1} if "int8 activations" in manifest["weights"] else {}
+        # The K/V entering the op then differ by more than ties, as on android; with K feedback rounding one
+        # flipped code also moves the later channels' codes of its vector (bundled, 100 prompt tokens, sink 16:
+        # 1.2e-3 native, 7.1e-4 fallback).
+        if "int8 activations" not in manifest["weights"]:
+            return {}
+        return {"logits_max_rel_error": 1e-1, "codes_mismatch_fraction": 5e-3}
 
     def runner(self, directory, manifest, runtime, threads):
         from .ort_runner import OrtLM
