@@ -23,6 +23,9 @@ from .config import OscarConfig, OscarInputError
 DEFAULT_TOKENS = 16384
 DEFAULT_HELDOUT_TOKENS = 512
 SHIPPED_FILE = "calibration.safetensors"  # beside the bundled model's weights
+# How K is rounded where a command calibrates and no flag says: feedback weights come from the calibration itself
+# and, on SmolLM2, buy about what one more K bit does (docs/calibration.md).
+CALIBRATED_K_ROUNDING = "feedback"
 MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".gguf", ".model", ".txt")
 
 
@@ -196,8 +199,9 @@ def write_shipped_calibration() -> Path:
 
     path = BUNDLED_MODEL_DIR / SHIPPED_FILE
     path.unlink(missing_ok=True)  # recalibrate even if the old file still matches
-    # The format the default export calibrates for (cli.flags.calibration_config: K with error feedback).
-    config = OscarConfig(cluster_dim=default_cluster_dim(model_shape("bundled").head_dim), k_rounding="feedback")
+    # The format the default export calibrates for (cli.flags.calibration_config).
+    config = OscarConfig(cluster_dim=default_cluster_dim(model_shape("bundled").head_dim),
+                         k_rounding=CALIBRATED_K_ROUNDING)
     return calibrated_rotations("bundled", config, store=path)[0]
 
 

@@ -209,9 +209,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from ..models import load_model
     from ..rotation_files import check_writable, export_rotation_zoo, save_rotations, zoo_paths
 
-    config = config_from_args(args)
-    if not args.lloyd_max:
-        config = calibration_config(args, config)
+    config = calibration_config(args, config_from_args(args), args.lloyd_max)
     text_path = args.text or default_text()
     read_text(text_path)  # a missing or non-UTF-8 text, or an unwritable --out, fails before calibrating
     check_writable(args.out)

@@ -52,13 +52,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from ..rotation_files import load_rotations
 
         metadata = load_rotations(args.rotations).metadata
+    config = config_from_args(args, metadata)
+    if metadata is None:  # `oscar` is calibrated here, for the K rounding calibrations default to
+        config = calibration_config(args, config)
     result = evaluate(
         args.model,
         methods=_method_specs(args.methods),
         bits=None,  # --bits/--k-bits/--v-bits are in the config
-        # Without a rotation file `oscar` is calibrated here, with the calibration's default K rounding.
-        config=config_from_args(args, metadata) if metadata is not None else calibration_config(args,
-                                                                                                config_from_args(args)),
+        config=config,
         rotations=args.rotations,
         contexts=_ints(args.contexts, "--contexts") if args.contexts else None,
         text=args.text,

@@ -8,7 +8,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from ..calibrations import DEFAULT_TOKENS
+from ..calibrations import CALIBRATED_K_ROUNDING, DEFAULT_TOKENS
 from ..config import (ROUNDINGS, SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError,
                       default_cluster_dim, with_metadata_defaults)
 
@@ -101,12 +101,11 @@ def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = 
     return OscarConfig(**{key: value for key, value in fields.items() if value is not None})
 
 
-def calibration_config(args: argparse.Namespace, config: OscarConfig) -> OscarConfig:
-    """The format a calibration is made for: K rounded with error feedback unless --k-rounding says otherwise (the
-    weights come from the calibration itself; on SmolLM2 they buy about what one more K bit does), or the codebook
-    is Lloyd-Max (fitted for nearest rounding)."""
-    if args.k_rounding is None and config.codebook == "uniform":
-        return replace(config, k_rounding="feedback")
+def calibration_config(args: argparse.Namespace, config: OscarConfig, lloyd_max: bool = False) -> OscarConfig:
+    """The format a calibration is made for: K rounded as CALIBRATED_K_ROUNDING unless --k-rounding says otherwise
+    or the levels are Lloyd-Max (fitted for nearest rounding)."""
+    if args.k_rounding is None and not lloyd_max:
+        return replace(config, k_rounding=CALIBRATED_K_ROUNDING)
     return config
 
 
