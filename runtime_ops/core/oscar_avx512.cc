@@ -21,16 +21,6 @@ namespace {
 
 constexpr int kRows = 16;  // body rows per score tile: one per lane
 
-// The VNNI score path: uniform 2- or 4-bit codes whose packed row is W = head_dim * bits / 32
-// dwords with W in {2, 4, 8} (head_dim 32, 64 or 128; not 4-bit codes at head_dim 128, nor head_dim
-// 96). Other planar shapes take the AVX2 set's scores, and its query layout.
-inline int row_dwords(const BodyView& b) { return b.head_dim * b.bits / 32; }
-
-inline bool vnni_scores(const BodyView& b) {
-  const int w = row_dwords(b);
-  return planar(b) && (w == 2 || w == 4 || w == 8);
-}
-
 // Lane r = element W * r + c of the 16 * W elements z[0..W) hold in memory order (16 rows of W
 // elements): column c of the tile. Each pair of vectors holds 32 / W rows; one two-source permute
 // per pair, and a blend to put its rows in place.
@@ -268,8 +258,7 @@ void values_heads(const BodyView& b, const uint8_t* codes, int n, int h0, float*
 
 void avx512_prepare(const BodyView& b, const float* q, int heads, void* prepared) {
   if (!vnni_scores(b)) return kAvx2Kernels.prepare(b, q, heads, prepared);
-  SplitQuery* sq = static_cast<SplitQuery*>(prepared);
-  for (int h = 0; h < heads; ++h) sq[h].set(q + h * b.head_dim, b.bits, b.head_dim, b.cluster_dim, quad_channel);
+  vnni_prepare(b, q, heads, prepared);
 }
 
 void avx512_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads, float* scores,

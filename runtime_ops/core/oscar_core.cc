@@ -182,6 +182,9 @@ std::vector<const BodyKernels*> simd_sets() {
 #if defined(OSCAR_HAVE_AVX512)
   if (cpu_has_avx512()) sets.push_back(&kAvx512Kernels);
 #endif
+#if defined(OSCAR_HAVE_AVXVNNI)
+  if (simd_available() && __builtin_cpu_supports("avxvnni")) sets.push_back(&kAvxVnniKernels);
+#endif
 #if defined(OSCAR_HAVE_AVX2)
   if (simd_available()) sets.push_back(&kAvx2Kernels);
 #elif defined(__aarch64__)

@@ -57,6 +57,9 @@ extern const BodyKernels kScalarKernels;
 #if defined(OSCAR_HAVE_AVX2)
 extern const BodyKernels kAvx2Kernels;  // oscar_avx2.cc, built with -mavx2 -mfma -mf16c
 #endif
+#if defined(OSCAR_HAVE_AVXVNNI)
+extern const BodyKernels kAvxVnniKernels;  // oscar_avxvnni.cc: the AVX2 set with AVX-VNNI score dots
+#endif
 #if defined(OSCAR_HAVE_AVX512)
 extern const BodyKernels kAvx512Kernels;  // oscar_avx512.cc: AVX-512 F/BW/VL/DQ + VNNI
 #endif

@@ -1,6 +1,7 @@
-// x86 pieces shared by the AVX2 and AVX-512 kernel sets: the planar path's code spreading, scale
-// regrouping and value weights (oscar_kernels.h). Included only by files built with at least
-// -mavx2 -mfma -mf16c; the unnamed namespace gives each of them its own copy, compiled with its flags.
+// x86 pieces shared by the AVX2, AVX-VNNI and AVX-512 kernel sets: the VNNI score path's shapes and
+// query layout, the planar path's code spreading, scale regrouping and value weights (oscar_kernels.h).
+// Included only by files built with at least -mavx2 -mfma -mf16c; the unnamed namespace gives each of
+// them its own copy, compiled with its flags.
 #pragma once
 
 #include <immintrin.h>
@@ -9,6 +10,22 @@
 
 namespace oscar {
 namespace {
+
+// The VNNI score path of the AVX-512 and AVX-VNNI sets: uniform 2- or 4-bit codes whose packed row
+// is W = head_dim * bits / 32 dwords with W in {2, 4, 8} (head_dim 32, 64 or 128; not 4-bit codes
+// at head_dim 128, nor head_dim 96). Other planar shapes take the AVX2 set's scores, and its query layout.
+inline int row_dwords(const BodyView& b) { return b.head_dim * b.bits / 32; }
+
+inline bool vnni_scores(const BodyView& b) {
+  const int w = row_dwords(b);
+  return planar(b) && (w == 2 || w == 4 || w == 8);
+}
+
+// The query layout of the VNNI score path: digits in quad order, four per packed code dword's bit plane.
+inline void vnni_prepare(const BodyView& b, const float* q, int heads, void* prepared) {
+  SplitQuery* sq = static_cast<SplitQuery*>(prepared);
+  for (int h = 0; h < heads; ++h) sq[h].set(q + h * b.head_dim, b.bits, b.head_dim, b.cluster_dim, quad_channel);
+}
 
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -104,7 +121,8 @@ inline void rows_by_group(const uint16_t* v, int n, int G, float* out, int strid
 
 // weights[(h * groups + g) * n + j] = p[h * n + j] * scale of (row0 + j, g), and acc gets the
 // zero terms sum_j p[h * n + j] * zero of (row0 + j, g) on every channel of group g.
-void planar_weights(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* weights) {
+inline void planar_weights(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc,
+                           float* weights) {
   const int D = b.head_dim, cd = b.cluster_dim, G = b.groups;
   alignas(32) float scale[kPlanarMaxDim / 32][kPlanarRows], zero[kPlanarMaxDim / 32][kPlanarRows];
   rows_by_group(b.scale + row0 * G, n, G, scale[0], kPlanarRows);

@@ -467,18 +467,19 @@ void test_golden(const std::string& dir) {
 }
 
 
-// The AVX-512 set against the AVX2 set, kernel by kernel, on random body blocks of every planar shape
-// (bits, head_dim, cluster_dim, query heads, rows, block start) and some that fall back: scores, value
-// accumulators and softmax pieces must be the same floats, bit for bit (oscar_avx512.cc says why).
-void test_kernel_sets(int count) {
-#if defined(OSCAR_HAVE_AVX512)
-  if (simd_kernel_sets().find("avx512") == std::string::npos) {
-    std::printf("kernel sets: this CPU runs %s, not avx512: the sets are not compared\n", simd_kernel_sets().c_str());
+#if defined(OSCAR_HAVE_AVX2)
+// A set against the AVX2 set, kernel by kernel, on random body blocks of every planar shape (bits,
+// head_dim, cluster_dim, query heads, rows, block start) and some that fall back: scores, value
+// accumulators and softmax pieces must be the same floats, bit for bit (oscar_avx512.cc and
+// oscar_avxvnni.cc say why).
+void compare_with_avx2(const BodyKernels& other, int count) {
+  if (simd_kernel_sets().find(other.name) == std::string::npos) {
+    std::printf("kernel sets: this CPU runs %s, not %s: it is not compared\n", simd_kernel_sets().c_str(), other.name);
     return;
   }
   std::mt19937 rng(31);
   std::normal_distribution<float> normal;
-  const BodyKernels* sets[2] = {&kAvx2Kernels, &kAvx512Kernels};
+  const BodyKernels* sets[2] = {&kAvx2Kernels, &other};
   int compared = 0;
   for (int n_case = 0; n_case < count; ++n_case) {
     const int bits = std::vector<int>{2, 2, 4, 4, 3}[rng() % 5];
@@ -514,14 +515,24 @@ void test_kernel_sets(int count) {
       sums[s] = {m, sets[s]->exp_sum(soft[s].data(), n, m)};
     }
     const bool same = score[0] == score[1] && acc[0] == acc[1] && soft[0] == soft[1] && sums[0] == sums[1];
-    EXPECT(same, "kernel sets: avx2 and avx512 differ at bits %d, head_dim %d, cluster_dim %d, %d heads, %d rows "
-                 "from %d", bits, D, cd, heads, n, row0);
+    EXPECT(same, "kernel sets: avx2 and %s differ at bits %d, head_dim %d, cluster_dim %d, %d heads, %d rows "
+                 "from %d", other.name, bits, D, cd, heads, n, row0);
     compared += same;
   }
-  std::printf("kernel sets: avx512 equals avx2 bit for bit on %d random body blocks\n", compared);
-#else
+  std::printf("kernel sets: %s equals avx2 bit for bit on %d random body blocks\n", other.name, compared);
+}
+#endif
+
+void test_kernel_sets(int count) {
+#if defined(OSCAR_HAVE_AVXVNNI)
+  compare_with_avx2(kAvxVnniKernels, count);
+#endif
+#if defined(OSCAR_HAVE_AVX512)
+  compare_with_avx2(kAvx512Kernels, count);
+#endif
+#if !defined(OSCAR_HAVE_AVX2)
   (void)count;
-  std::printf("kernel sets: no AVX-512 set in this build (%s)\n", simd_kernel_sets().c_str());
+  std::printf("kernel sets: no x86 sets to compare in this build (%s)\n", simd_kernel_sets().c_str());
 #endif
 }
 
