@@ -53,6 +53,15 @@ def step_ms(bench: Path, shape: tuple, context: int, cluster_dim: int, steps: in
     return {"kernel": kernel, "median_ms": float(match[1]), "p10_ms": float(match[2]), "min_ms": float(match[3])}
 
 
+def write_result(out: Path, result: dict) -> None:
+    """result as JSON at out, written whole or not at all."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(out)
+    print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=32768, help="cached rows in the packed body")
@@ -95,10 +104,7 @@ def main() -> None:
     result = {"command": "nice -n 10 .venv/bin/python benchmarks/decode_floor.py " + " ".join(sys.argv[1:]),
               "machine": f"{where}; one thread", "cluster_dim": args.cluster_dim,
               "peak_macs_per_s": rates, "rows": rows}
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(args.out)
-    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ compares them bit for bit), so only time differs. Writes benchmarks/results/kern
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from attention_tables import machine  # noqa: E402  (benchmarks/ is this script's sys.path[0])
-from decode_floor import SHAPES, step_ms  # noqa: E402
+from decode_floor import SHAPES, step_ms, write_result  # noqa: E402
 
 from oscar_export.native import build_native, simd_kernels  # noqa: E402
 
@@ -64,11 +63,7 @@ def main() -> None:
     result = {"command": "nice -n 10 .venv/bin/python benchmarks/kernel_sets.py " + " ".join(sys.argv[1:]),
               "machine": f"{where}; one thread", "sets": sets, "rounds": args.rounds, "steps": args.steps,
               "cluster_dim": 64, "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1) + "\n")
-    tmp.replace(args.out)
-    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

@@ -147,39 +147,13 @@ void tile_scores(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, c
   }
 }
 
-template <int BITS, int W, int G>
-void scores_heads(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, const float* qsum, int heads,
+template <int BITS, int W, int G, int NH>
+struct TileScores {
+  static void run(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, const float* qsum, int h0,
                   float* scores) {
-  for (int h0 = 0; h0 < heads; h0 += 4) {
-    switch (min_int(4, heads - h0)) {
-      case 1: tile_scores<BITS, W, G, 1>(b, row0, n, sq + h0, qsum, h0, scores); break;
-      case 2: tile_scores<BITS, W, G, 2>(b, row0, n, sq + h0, qsum, h0, scores); break;
-      case 3: tile_scores<BITS, W, G, 3>(b, row0, n, sq + h0, qsum, h0, scores); break;
-      default: tile_scores<BITS, W, G, 4>(b, row0, n, sq + h0, qsum, h0, scores); break;
-    }
+    tile_scores<BITS, W, G, NH>(b, row0, n, sq, qsum, h0, scores);
   }
-}
-
-// Instantiations for the shapes vnni_scores admits: (bits, head_dim) gives W, cluster_dim gives G.
-template <int BITS, int W>
-void scores_w(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, const float* qsum, int heads,
-              float* scores) {
-  switch (b.groups) {
-    case 1: return scores_heads<BITS, W, 1>(b, row0, n, sq, qsum, heads, scores);
-    case 2: return scores_heads<BITS, W, 2>(b, row0, n, sq, qsum, heads, scores);
-    default: return scores_heads<BITS, W, 4>(b, row0, n, sq, qsum, heads, scores);  // head_dim 128, groups of 32
-  }
-}
-
-template <int BITS>
-void vnni_scores_bits(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, const float* qsum, int heads,
-                      float* scores) {
-  switch (row_dwords(b)) {
-    case 2: return scores_w<BITS, 2>(b, row0, n, sq, qsum, heads, scores);
-    case 4: return scores_w<BITS, 4>(b, row0, n, sq, qsum, heads, scores);
-    default: return scores_w<BITS, 8>(b, row0, n, sq, qsum, heads, scores);
-  }
-}
+};
 
 void avxvnni_prepare(const BodyView& b, const float* q, int heads, void* prepared) {
   if (!vnni_scores(b)) return kAvx2Kernels.prepare(b, q, heads, prepared);
@@ -189,9 +163,7 @@ void avxvnni_prepare(const BodyView& b, const float* q, int heads, void* prepare
 void avxvnni_scores(const BodyView& b, int64_t row0, int n, const float* q, const float* qsum, int heads,
                     float* scores, const void* prepared) {
   if (n > kPlanarRows || !vnni_scores(b)) return kAvx2Kernels.scores(b, row0, n, q, qsum, heads, scores, prepared);
-  const SplitQuery* sq = static_cast<const SplitQuery*>(prepared);
-  if (b.bits == 2) return vnni_scores_bits<2>(b, row0, n, sq, qsum, heads, scores);
-  vnni_scores_bits<4>(b, row0, n, sq, qsum, heads, scores);
+  vnni_score_shapes<TileScores>(b, row0, n, static_cast<const SplitQuery*>(prepared), qsum, heads, scores);
 }
 
 // The AVX2 set's other kernels, called through its table at run time (a table entry copied here

@@ -27,6 +27,44 @@ inline void vnni_prepare(const BodyView& b, const float* q, int heads, void* pre
   for (int h = 0; h < heads; ++h) sq[h].set(q + h * b.head_dim, b.bits, b.head_dim, b.cluster_dim, quad_channel);
 }
 
+// The VNNI score path's shapes, dispatched to a set's tile kernel Tiles<BITS, W, G, NH>::run(b, row0, n,
+// sq, qsum, h0, scores), at most 4 query heads at a time: (bits, head_dim) gives W, cluster_dim gives G.
+template <template <int, int, int, int> class Tiles, int BITS, int W, int G>
+void vnni_heads(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, const float* qsum, int heads,
+                float* scores) {
+  for (int h0 = 0; h0 < heads; h0 += 4) {
+    switch (min_int(4, heads - h0)) {
+      case 1: Tiles<BITS, W, G, 1>::run(b, row0, n, sq + h0, qsum, h0, scores); break;
+      case 2: Tiles<BITS, W, G, 2>::run(b, row0, n, sq + h0, qsum, h0, scores); break;
+      case 3: Tiles<BITS, W, G, 3>::run(b, row0, n, sq + h0, qsum, h0, scores); break;
+      default: Tiles<BITS, W, G, 4>::run(b, row0, n, sq + h0, qsum, h0, scores); break;
+    }
+  }
+}
+
+template <template <int, int, int, int> class Tiles, int BITS, int W>
+void vnni_groups(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, const float* qsum, int heads,
+                 float* scores) {
+  switch (b.groups) {
+    case 1: return vnni_heads<Tiles, BITS, W, 1>(b, row0, n, sq, qsum, heads, scores);
+    case 2: return vnni_heads<Tiles, BITS, W, 2>(b, row0, n, sq, qsum, heads, scores);
+    default: return vnni_heads<Tiles, BITS, W, 4>(b, row0, n, sq, qsum, heads, scores);  // head_dim 128, groups of 32
+  }
+}
+
+template <template <int, int, int, int> class Tiles>
+void vnni_score_shapes(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, const float* qsum, int heads,
+                       float* scores) {
+  switch (row_dwords(b) * 8 + b.bits) {  // the shapes vnni_scores admits
+    case 2 * 8 + 2: return vnni_groups<Tiles, 2, 2>(b, row0, n, sq, qsum, heads, scores);
+    case 4 * 8 + 2: return vnni_groups<Tiles, 2, 4>(b, row0, n, sq, qsum, heads, scores);
+    case 8 * 8 + 2: return vnni_groups<Tiles, 2, 8>(b, row0, n, sq, qsum, heads, scores);
+    case 2 * 8 + 4: return vnni_groups<Tiles, 4, 2>(b, row0, n, sq, qsum, heads, scores);
+    case 4 * 8 + 4: return vnni_groups<Tiles, 4, 4>(b, row0, n, sq, qsum, heads, scores);
+    default: return vnni_groups<Tiles, 4, 8>(b, row0, n, sq, qsum, heads, scores);
+  }
+}
+
 inline float hsum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
