@@ -39,6 +39,10 @@ GROUPS = {
     "g64-s128-r512": (dict(cluster_dim=64, sink=128, recent=512), ("oscar-2",)),
     "g64-lloydmax": (dict(cluster_dim=64, codebook="lloyd-max"), ("oscar-2", "oscar-k3v2")),
     "g64-perhead": (dict(cluster_dim=64, per_head=True), ("oscar-2", "oscar-k3v2")),
+    # K rounded with error feedback (calibrate's default), at today's windows and at smaller ones
+    "g64-perhead-feedback": (dict(cluster_dim=64, per_head=True, k_rounding="feedback"), ("oscar-2", "oscar-k3v2")),
+    "g64-s16-r128-perhead-feedback": (dict(cluster_dim=64, sink=16, recent=128, per_head=True, k_rounding="feedback"),
+                                      ("oscar-2", "oscar-k3v2")),
 }
 
 
@@ -79,6 +83,8 @@ def plot(rows: list[dict], fp16: dict, path: Path, split: str) -> None:
         if key == "needle":
             ax.axhline(fp16["needle"], color="gray", ls="--", lw=1, label="fp16")
             ax.legend(fontsize=7)
+        if key == "ppl_increase_8k" and all(r[key] > 0 for r in rows):
+            ax.set_yscale("log")  # the baselines sit far above the front: keep the front readable
         ax.set_xlabel("bits per K/V element at 8K")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
