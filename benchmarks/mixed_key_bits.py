@@ -29,7 +29,7 @@ text alone, by the CLI's own path:
 (29 minutes with four needle sequences; the choice alone, probe scoring at K3 and K4 included, 18.)
 --k4-ceiling adds 4-bit K in every layer at today's windows, a bit per element over the budget: how much
 retrieval K precision alone buys at 2-bit V (results in mixed_key_bits_<split>_k4_ceiling.* when it runs alone;
-10 minutes):
+10 minutes); with --k-rounding feedback the ceiling's K is rounded with error feedback too:
 
     nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py --split test --rows "" --k4-ceiling
 
@@ -79,7 +79,7 @@ from subspace_clustering import (  # noqa: E402
     paired_difference,
 )
 
-from oscar_export.calibrate import clip_errors  # noqa: E402
+from oscar_export.calibrate import clip_candidates, clip_errors  # noqa: E402
 from oscar_export.cache import bits_per_element  # noqa: E402
 from oscar_export.calibrations import run_calibration  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
@@ -183,7 +183,8 @@ def main() -> None:
                    help="also measure 4-bit K in every layer at today's windows (3.99 bits at 8K): how much retrieval "
                         "K precision alone can buy at 2-bit V")
     p.add_argument("--k-rounding", choices=("nearest", "feedback"), default="nearest",
-                   help="K rounding the --budget format is chosen with (calibrate --k-rounding; default nearest)")
+                   help="K rounding the --budget format is chosen with and the --k4-ceiling row uses (calibrate "
+                        "--k-rounding; default nearest)")
     p.add_argument("--needle-seeds", type=int, default=NEEDLE_SEEDS, metavar="N",
                    help=f"needle sequences (each 5 x 16 scored tokens; default {NEEDLE_SEEDS})")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/eval")
@@ -244,9 +245,12 @@ def main() -> None:
         if rows[name]["bits"] > 3.0 + 1e-9:
             raise SystemExit(f"{name} costs {rows[name]['bits']:.4f} bits per element: over the 3.0 budget")
     if args.k4_ceiling:
-        k4_errors = clip_errors(heldout, rotations, replace(cfg2, k_bits=4), "k")
-        run("oscar-k4v2/s64-r256", replace(cfg2, k_bits=4, k_clip=min(k4_errors, key=k4_errors.get)),
-            list(range(layers)))
+        k4 = replace(cfg2, k_bits=4, k_rounding=args.k_rounding)
+        weights = fitted["k_feedback"] if args.k_rounding == "feedback" else None
+        k4_errors = clip_errors(heldout, rotations, k4, "k", clip_candidates("k", args.k_rounding), weights)
+        run("oscar-k4v2/s64-r256" + ("/feedback" if weights is not None else ""),
+            replace(k4, k_clip=min(k4_errors, key=k4_errors.get)), list(range(layers)),
+            {**rotations, "k_feedback": weights})
     if args.budget is not None:
         name, config, wide, rot = budget_row(args.budget, args.budget_context, model, tokenizer, calibration_text,
                                              head_dim, args.k_rounding)
