@@ -46,6 +46,15 @@ the one-width format at the same group and windows is measured beside it (33 min
 
     nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py --split test --rows "" --budget 2.6 --budget-context 32768
 
+--scale-dtype float8_e4m3fn chooses the --budget format with fp8 scales and zeros (a quarter bit per element less
+at group 64), written to mixed_key_bits_<split>_budget[_<N>][_feedback]_fp8.*: 3.0 bits at 8K, and 2.4 at 32K, which
+fp16 scales cannot reach:
+
+    nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py --split test --rows "" --budget 3.0 --k-rounding feedback \
+        --scale-dtype float8_e4m3fn
+    nice -n 10 .venv/bin/python benchmarks/mixed_key_bits.py --split test --rows "" --budget 2.4 --budget-context 32768 \
+        --k-rounding feedback --scale-dtype float8_e4m3fn
+
 Results: benchmarks/results/eval/mixed_key_bits_<split>.json and .md (--budget-only runs:
 mixed_key_bits_<split>_budget.*, or mixed_key_bits_<split>_budget_<N>.* at another budget context).
 """
@@ -114,22 +123,23 @@ def error_gains(heldout, rotations, cfg2: OscarConfig, cfg3: OscarConfig) -> lis
 
 
 def budget_row(budget: float, context: int, model, tokenizer, calibration_text: str, head_dim: int,
-               k_rounding: str = "nearest"):
+               k_rounding: str = "nearest", scale_dtype: str = "float16"):
     """(name, config, wider-K layers, rotations) of the format `calibrate --budget-bits B --context N --per-head
-    [--k-rounding feedback]` chooses from this split's calibration text (tokens and held-out tokens as the rows
-    above), through the CLI's own path: run_calibration, then the config export and eval take from the file."""
+    [--k-rounding feedback] [--scale-dtype D]` chooses from this split's calibration text (tokens and held-out tokens
+    as the rows above), through the CLI's own path: run_calibration, then the config export and eval take from the
+    file."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "calibration.txt"
         path.write_text(calibration_text)
-        rotation_set, seconds = run_calibration(GGUF, OscarConfig(k_rounding=k_rounding), path, CALIB_TOKENS,
-                                                CALIB_HELDOUT, per_head=True, model=model, tokenizer=tokenizer,
-                                                budget=(budget, context))
+        rotation_set, seconds = run_calibration(GGUF, OscarConfig(k_rounding=k_rounding, scale_dtype=scale_dtype),
+                                                path, CALIB_TOKENS, CALIB_HELDOUT, per_head=True, model=model,
+                                                tokenizer=tokenizer, budget=(budget, context))
     config = config_for(rotation_set, head_dim)
     log(f"budget {budget} at {context}: chose {config.describe()} sink {config.sink} recent {config.recent} "
         f"in {seconds} s")
     wide = [i for i, b in enumerate(config.k_bits_by_layer) if b > config.k_bits] or None
     name = (f"budget-{budget:g}" + ("" if context == BITS_CONTEXT else f"@{context // 1024}K")
-            + ("/feedback" if k_rounding == "feedback" else ""))
+            + ("/feedback" if k_rounding == "feedback" else "") + ("/fp8" if scale_dtype == "float8_e4m3fn" else ""))
     return name, config, wide, {"k": rotation_set.k, "v": rotation_set.v, "k_feedback": rotation_set.k_feedback}
 
 
@@ -144,7 +154,8 @@ def write_report(args, rows, gains, started, final: bool) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     suffix = ("" if args.rows else "_k4_ceiling" if args.budget is None
               else "_budget" + ("" if args.budget_context == BITS_CONTEXT else f"_{args.budget_context}")
-              + ("_feedback" if args.k_rounding == "feedback" else ""))
+              + ("_feedback" if args.k_rounding == "feedback" else "")
+              + ("_fp8" if args.scale_dtype == "float8_e4m3fn" else ""))
     stem = args.out / f"mixed_key_bits_{args.split}{suffix}"
     stem.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
     if not final:
@@ -185,6 +196,8 @@ def main() -> None:
     p.add_argument("--k-rounding", choices=("nearest", "feedback"), default="nearest",
                    help="K rounding the --budget format is chosen with and the --k4-ceiling row uses (calibrate "
                         "--k-rounding; default nearest)")
+    p.add_argument("--scale-dtype", choices=("float16", "float8_e4m3fn"), default="float16",
+                   help="scale dtype the --budget format is chosen with (calibrate --scale-dtype; default float16)")
     p.add_argument("--needle-seeds", type=int, default=NEEDLE_SEEDS, metavar="N",
                    help=f"needle sequences (each 5 x 16 scored tokens; default {NEEDLE_SEEDS})")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/eval")
@@ -253,7 +266,7 @@ def main() -> None:
             {**rotations, "k_feedback": weights})
     if args.budget is not None:
         name, config, wide, rot = budget_row(args.budget, args.budget_context, model, tokenizer, calibration_text,
-                                             head_dim, args.k_rounding)
+                                             head_dim, args.k_rounding, args.scale_dtype)
         run(name, config, wide, rot)
         if wide:  # the same group, windows and rotations at one K width: what the wider layers buy
             one_width = replace(config, k_bits_by_layer=(), k_clip_by_layer=())

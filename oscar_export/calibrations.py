@@ -104,7 +104,7 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
         from .hf_cache import attention_shape
         from .tune import budget_candidates
 
-        budget_candidates(*budget, attention_shape(model)[2], lloyd_max, config.k_rounding)
+        budget_candidates(*budget, attention_shape(model)[2], lloyd_max, config.k_rounding, config.scale_dtype)
     fitted = fit_rotations(model, tokenizer, text, tokens, heldout_tokens, per_head=per_head,
                            text_name=f"calibration text {str(text_path)!r}")
     chosen = None
@@ -112,7 +112,7 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
         from .tune import choose
 
         chosen, considered = choose(model, tokenizer, fitted, text, *budget, lloyd_max=lloyd_max,
-                                    k_rounding=config.k_rounding)
+                                    k_rounding=config.k_rounding, scale_dtype=config.scale_dtype)
         config, result = chosen.config, chosen.quantizer
     else:
         result = fit_quantizer(fitted, config, lloyd_max)
@@ -135,6 +135,7 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
         "k_bits": config.k_bits,
         "v_bits": config.v_bits,
         "cluster_dim": config.cluster_dim,
+        "scale_dtype": config.scale_dtype,  # the clips were searched with it
         "calibration_tokens": tokens,
         "calibration_positions": fitted["positions"],  # the calibration windows' offsets span [0, this)
         "heldout_tokens": heldout_tokens,

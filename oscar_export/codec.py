@@ -12,7 +12,8 @@ import torch
 
 from .config import SUPPORTED_BITS, OscarInputError
 
-_TORCH_SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_TORCH_SCALE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                       "float8_e4m3fn": torch.float8_e4m3fn}
 # Every 8 codes of b bits form one b-byte little-endian word (2-bit: 4 codes a byte,
 # 3-bit: 8 codes in 3 bytes, 4-bit: 2 codes a byte).
 CODES_PER_WORD = 8
@@ -98,9 +99,15 @@ def group_scale_zero(
     dtype = torch_scale_dtype(scale_dtype)
     # A tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal, which can
     # round differently from the true division every other backend does.
-    scale = ((hi - lo) / torch.full_like(hi, float(2**bits - 1))).to(dtype)
-    zero = lo.to(dtype)
-    if not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(zero).all())):
+    scale = (hi - lo) / torch.full_like(hi, float(2**bits - 1))
+    if dtype == torch.float8_e4m3fn:
+        # fp8 has no inf and torch's cast saturates: a magnitude past the largest finite value is refused here.
+        limit = torch.finfo(dtype).max
+        if bool((scale > limit).any()) or bool((lo.abs() > limit).any()):
+            raise OscarInputError(f"values exceed the range of scale_dtype={scale_dtype} (max {limit:g}): expected "
+                                  f"smaller magnitudes or scale_dtype='float16'")
+    scale, zero = scale.to(dtype), lo.to(dtype)
+    if not (bool(torch.isfinite(scale.float()).all()) and bool(torch.isfinite(zero.float()).all())):
         raise OscarInputError(
             f"values exceed the range of scale_dtype={scale_dtype} "
             f"(max {torch.finfo(dtype).max:g}): expected smaller magnitudes or scale_dtype='float32'"

@@ -10,7 +10,7 @@ SUPPORTED_BITS = (2, 3, 4)
 SUPPORTED_CLUSTER_DIMS = (32, 64, 128)
 CODEBOOKS = ("uniform", "lloyd-max")
 ROUNDINGS = ("nearest", "feedback")
-SCALE_DTYPES = ("float16", "bfloat16", "float32")
+SCALE_DTYPES = ("float16", "bfloat16", "float32", "float8_e4m3fn")
 
 
 class OscarInputError(ValueError):
@@ -140,17 +140,19 @@ class OscarConfig:
         return [self.layer(i) for i in range(count)]
 
     def describe(self) -> str:
-        """K2/V2, K2 (3 in 16 of 30 layers)/V2, or either with ", K feedback"."""
-        feedback = ", K feedback" if self.k_rounding == "feedback" else ""
+        """K2/V2, K2 (3 in 16 of 30 layers)/V2, or either with ", K feedback" and ", float8_e4m3fn scales"."""
+        suffix = ", K feedback" if self.k_rounding == "feedback" else ""
+        if self.scale_dtype != "float16":
+            suffix += f", {self.scale_dtype} scales"
         if not self.mixed:
-            return f"K{self.k_bits}/V{self.v_bits}{feedback}"
+            return f"K{self.k_bits}/V{self.v_bits}{suffix}"
         wider = sum(bits > self.k_bits for bits in self.k_bits_by_layer)
         top = max(self.k_bits_by_layer)
-        return f"K{self.k_bits} ({top} in {wider} of {len(self.k_bits_by_layer)} layers)/V{self.v_bits}{feedback}"
+        return f"K{self.k_bits} ({top} in {wider} of {len(self.k_bits_by_layer)} layers)/V{self.v_bits}{suffix}"
 
     @property
     def scale_bytes(self) -> int:
-        return 4 if self.scale_dtype == "float32" else 2
+        return {"float32": 4, "float8_e4m3fn": 1}.get(self.scale_dtype, 2)
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -187,12 +189,12 @@ def default_cluster_dim(head_dim: int | None) -> int:
 def with_metadata_defaults(fields: dict, metadata: dict | None) -> dict:
     """`fields` (OscarConfig fields, None where the user set none) completed by a rotation file's metadata: its
     clip ratios, codebook and K rounding, and the whole format when `calibrate --budget-bits` chose it (bits, group,
-    windows, per-layer K). A K width or clip the user gives holds for every layer, so the file's per-layer K then
+    windows, scale dtype, per-layer K). A K width or clip the user gives holds for every layer, so the file's per-layer K then
     does not apply."""
     meta = metadata or {}
     keys = ("k_clip", "v_clip", "codebook", "k_rounding")
     if meta.get("budget_bits") is not None:
-        keys += ("k_bits", "v_bits", "cluster_dim", "sink", "recent")
+        keys += ("k_bits", "v_bits", "cluster_dim", "sink", "recent", "scale_dtype")
         if fields.get("k_bits") is None and fields.get("k_clip") is None:
             keys += ("k_bits_by_layer", "k_clip_by_layer")
     filled = dict(fields)

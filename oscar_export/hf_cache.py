@@ -45,6 +45,19 @@ def attention_shape(model) -> tuple[int, int, int, int]:
     return cfg.num_hidden_layers, cfg.num_key_value_heads or heads, head_dim, heads
 
 
+def check_backend(backend: str, config: OscarConfig) -> None:
+    """A backend this cache format can run on; importing the Triton kernels fails early, with triton's own message,
+    where triton is missing."""
+    if backend not in BACKENDS:
+        raise OscarInputError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if backend == "triton":
+        from .kernels import triton_oscar
+
+        if config.scale_dtype not in triton_oscar.KERNEL_SCALE_DTYPES:
+            raise OscarInputError(f"scale_dtype={config.scale_dtype!r} with backend='triton': expected one of "
+                                  f"{triton_oscar.KERNEL_SCALE_DTYPES}, or backend='reference'")
+
+
 class OscarCacheLayer(CacheLayerMixin):
     """One layer's view of the shared packed cache. update() hands the new chunk to the attention."""
 
@@ -101,10 +114,9 @@ class OscarCache(Cache):
         rotations = rotations if rotations is not None else (settings.rotations if settings else "none")
         max_context = max_context or (settings.max_context if settings else None)
         self.backend = backend or (settings.backend if settings else "reference")
-        if self.backend not in BACKENDS:
-            raise OscarInputError(f"backend={self.backend!r}: expected one of {BACKENDS}")
+        check_backend(self.backend, config)
         if self.backend == "triton":
-            from .kernels import triton_oscar  # fails early, with triton's own message, if triton is missing
+            from .kernels import triton_oscar
 
             self._triton = triton_oscar
         layers, kv_heads, head_dim, _ = attention_shape(model)
@@ -238,6 +250,7 @@ def patch_model_for_kv_quant(
     cfg = OscarConfig(k_bits=config.pop("k_bits", bits), v_bits=config.pop("v_bits", bits),
                       cluster_dim=cluster_dim, **config)
     cfg.check_head_dim(attention_shape(model)[2])
+    check_backend(backend, cfg)
     model.oscar = OscarSettings(cfg, resolved, max_context, backend)
     model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
     if not hasattr(model, "_generate_without_oscar"):

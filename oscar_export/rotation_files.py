@@ -38,7 +38,7 @@ ZOO_KEYS = ("format_version", "objective", "source_grouping", "layers")
 ZOO_LAYER_KEYS = ("rotation", "eigenvalues")
 ZOO_VERSIONS = (1, 2)
 CONFIG_METADATA = ("k_bits", "v_bits", "cluster_dim", "k_clip", "v_clip", "codebook", "k_bits_by_layer",
-                   "k_clip_by_layer", "k_rounding")
+                   "k_clip_by_layer", "k_rounding", "scale_dtype")
 # Our calibration (R = U.H.P_br, K on the query covariance, V score-weighted) in the reference's names.
 ZOO_OBJECTIVES = {"k": "qqt_h_pbr", "v": "sst_h_pbr"}
 

@@ -57,8 +57,8 @@ class Candidate:
                 "perplexity": None if self.perplexity is None else round(self.perplexity, 4)}
 
 
-def candidates(budget: float, context: int, head_dim: int, codebook: str = "uniform", k_rounding: str = "nearest"
-               ) -> list[Candidate]:
+def candidates(budget: float, context: int, head_dim: int, codebook: str = "uniform", k_rounding: str = "nearest",
+               scale_dtype: str = "float16") -> list[Candidate]:
     """Every format within `budget` bits per element at `context` (the largest windows per bits and group)."""
     found, cheapest = [], None
     for k_bits in SUPPORTED_BITS:
@@ -68,7 +68,8 @@ def candidates(budget: float, context: int, head_dim: int, codebook: str = "unif
                     continue
                 for sink, recent in WINDOWS:
                     config = OscarConfig(k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, sink=sink,
-                                         recent=recent, codebook=codebook, k_rounding=k_rounding)
+                                         recent=recent, codebook=codebook, k_rounding=k_rounding,
+                                         scale_dtype=scale_dtype)
                     candidate = Candidate(config, bits_per_element(config, head_dim, context))
                     if cheapest is None or candidate.bits < cheapest.bits:
                         cheapest = candidate
@@ -84,12 +85,12 @@ def candidates(budget: float, context: int, head_dim: int, codebook: str = "unif
 
 
 def budget_candidates(budget: float, context: int, head_dim: int, lloyd_max: bool = False,
-                      k_rounding: str = "nearest") -> list[Candidate]:
+                      k_rounding: str = "nearest", scale_dtype: str = "float16") -> list[Candidate]:
     """The one-width formats choose() searches under `budget`, or the error that says none fits. Arithmetic only,
     so run_calibration asks before its rotation fit rather than after it."""
     if not budget > 0:
         raise OscarInputError(f"--budget-bits {budget}: expected a positive number of bits per element")
-    return candidates(budget, context, head_dim, "lloyd-max" if lloyd_max else "uniform", k_rounding)
+    return candidates(budget, context, head_dim, "lloyd-max" if lloyd_max else "uniform", k_rounding, scale_dtype)
 
 
 def retrieval_probe(ids):
@@ -173,13 +174,14 @@ def wider_clips(clip: float, count: int = WIDER_CLIPS) -> list[float]:
 
 
 def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: int, lloyd_max: bool = False,
-           shortlist: int = SHORTLIST, k_rounding: str = "nearest") -> tuple[Candidate, list[Candidate]]:
+           shortlist: int = SHORTLIST, k_rounding: str = "nearest", scale_dtype: str = "float16"
+           ) -> tuple[Candidate, list[Candidate]]:
     """The chosen candidate and every candidate considered (attention error for the one-width ones, perplexity
     for their shortlist and the mixed-K ones), from a rotation fit (calibrate.fit_rotations) and its
     calibration text."""
     from .calibrate import _tokens_from_text, clip_candidates, clip_errors, fit_quantizer
 
-    found = budget_candidates(budget, context, fitted["head_dim"], lloyd_max, k_rounding)
+    found = budget_candidates(budget, context, fitted["head_dim"], lloyd_max, k_rounding, scale_dtype)
     for c in found:
         c.quantizer = fit_quantizer(fitted, c.config, lloyd_max)
         c.config = replace(c.config, k_clip=c.quantizer["k_clip"], v_clip=c.quantizer["v_clip"])

@@ -4,7 +4,23 @@ from __future__ import annotations
 
 import numpy as np
 
-NP_SCALE = {"float16": np.float16, "float32": np.float32}
+E4M3_MAX = 448.0
+
+
+def e4m3(v) -> np.float32:
+    """fp32 -> OCP fp8 E4M3 (no inf, largest 448, subnormal step 2^-9), round to nearest even, as an fp32 value.
+    The step at |v| in [2^e, 2^(e+1)) is 2^(e-3); below 2^-6 it is 2^-9. np.round rounds halves to even."""
+    v = float(v)
+    if abs(v) > E4M3_MAX:
+        raise OverflowError(v)
+    e = np.frexp(abs(v))[1] - 1 if v else -6
+    step = 2.0 ** (max(e, -6) - 3)
+    return np.float32(np.round(v / step) * step)
+
+
+# numpy has no fp8: its scales and zeros are kept as the fp32 values of the fp8 ones.
+NP_SCALE = {"float16": np.float16, "float32": np.float32, "float8_e4m3fn": e4m3}
+NP_SCALE_ARRAY = {"float8_e4m3fn": np.float32}
 
 
 def quantize_vector(x, bits: int, cluster_dim: int, clip: float, levels=None, scale_dtype: str = "float16",
@@ -36,13 +52,13 @@ def quantize_vector(x, bits: int, cluster_dim: int, clip: float, levels=None, sc
         scales.append(scale)
         zeros.append(zero)
     if feedback is not None:
-        codes = _codes_with_feedback(x, np.array(scales, dtype=sdt), np.array(zeros, dtype=sdt), cluster_dim, lv, thr,
-                                     np.asarray(feedback, dtype=np.float32))
+        codes = _codes_with_feedback(x, scales, zeros, cluster_dim, lv, thr, np.asarray(feedback, dtype=np.float32))
     bitstream = 0
     for i, c in enumerate(codes):
         bitstream |= c << (bits * i)
     packed = bitstream.to_bytes(len(codes) * bits // 8, "little")
-    return np.frombuffer(packed, dtype=np.uint8), np.array(scales, dtype=sdt), np.array(zeros, dtype=sdt)
+    adt = NP_SCALE_ARRAY.get(scale_dtype, sdt)
+    return np.frombuffer(packed, dtype=np.uint8), np.array(scales, dtype=adt), np.array(zeros, dtype=adt)
 
 
 def unpack_vector(packed, bits: int, count: int) -> list[int]:

@@ -31,7 +31,7 @@ def expected_kv(x, rot, cfg, kind, n_cached):
         in_body = cfg.sink <= p < n_cached - cfg.recent
         if in_body:
             bits, clip = cfg.bits(kind), cfg.clip(kind)
-            vec = dequantize(*quantize(vec, bits, cfg.cluster_dim, clip), bits, cfg.cluster_dim)
+            vec = dequantize(*quantize(vec, bits, cfg.cluster_dim, clip, None, cfg.scale_dtype), bits, cfg.cluster_dim)
         out.append(vec[:, None])
     return torch.cat(out, 1)
 
@@ -43,6 +43,7 @@ def expected_kv(x, rot, cfg, kind, n_cached):
         OscarConfig(k_bits=3, v_bits=4, cluster_dim=32, sink=0, recent=7, k_clip=0.9),
         OscarConfig(sink=4, recent=0),
         OscarConfig(sink=0, recent=0),
+        OscarConfig(k_bits=3, sink=2, recent=4, k_clip=0.85, scale_dtype="float8_e4m3fn"),
     ],
 )
 def test_decode_attention_matches_independent_attention(cfg):
@@ -102,7 +103,8 @@ def test_ring_slots_follow_the_documented_rule():
 
 
 def test_nbytes_matches_formula_and_capacity_is_enforced():
-    for cfg in (OscarConfig(), OscarConfig(k_bits=3, v_bits=4, cluster_dim=32, sink=5, recent=3, scale_dtype="float32")):
+    for cfg in (OscarConfig(), OscarConfig(k_bits=3, v_bits=4, cluster_dim=32, sink=5, recent=3, scale_dtype="float32"),
+                OscarConfig(scale_dtype="float8_e4m3fn")):
         for max_context in (1, 10, 64, 320, 321, 1000):
             cache = OscarKVCache(cfg, 3, HKV, D, max_context)
             assert cache.nbytes == cache_bytes(cfg, 3, HKV, D, max_context)
@@ -118,6 +120,9 @@ def test_bits_per_element():
     assert bits_per_element(cfg, 128, 131072) <= 2.30
     assert abs(bits_per_element(cfg, 128, 10**9) - 2.25) < 1e-4
     assert abs(bits_per_element(OscarConfig(k_bits=4, v_bits=4, cluster_dim=32, sink=0, recent=0), 64, 7) - 5.0) < 1e-12
+    # fp8 scale and zero: one byte each, so group 64 at head_dim 64 costs what group 128 does with fp16
+    fp8 = OscarConfig(sink=0, recent=0, scale_dtype="float8_e4m3fn")
+    assert bits_per_element(fp8, 64, 100) == 2.25 == bits_per_element(OscarConfig(cluster_dim=128, sink=0, recent=0), 128, 100)
 
 
 def test_bad_input_is_named():

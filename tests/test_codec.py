@@ -11,6 +11,7 @@ from oscar_export.codec import (
     normalized_codes,
     pack_codes,
     quantize,
+    torch_scale_dtype,
     unpack_codes,
 )
 from oscar_export.config import OscarConfig, OscarInputError
@@ -72,16 +73,19 @@ def test_constant_group_has_zero_scale_and_zero_codes():
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 @pytest.mark.parametrize("cluster_dim", [32, 64, 128])
-def test_matches_numpy_port(bits, cluster_dim):
+@pytest.mark.parametrize("scale_dtype", ["float16", "float8_e4m3fn"])
+def test_matches_numpy_port(bits, cluster_dim, scale_dtype):
     gen = torch.Generator().manual_seed(bits * 1000 + cluster_dim)
-    x = torch.randn(6, 128, generator=gen) * torch.logspace(-2, 2, 6).unsqueeze(1)
+    # rows from 1e-3 to 1e2: fp8's subnormal scales (below 2^-6) and its coarse normal ones both appear
+    x = torch.randn(6, 128, generator=gen) * torch.logspace(-3, 2, 6).unsqueeze(1)
     for clip in (1.0, 0.93):
-        q = quantize(x, bits, cluster_dim, clip)
+        q = quantize(x, bits, cluster_dim, clip, None, scale_dtype)
+        assert q.scale.dtype == q.zero.dtype == torch_scale_dtype(scale_dtype)
         for row in range(x.shape[0]):
-            codes, scales, zeros = quantize_vector(x[row].numpy(), bits, cluster_dim, clip)
+            codes, scales, zeros = quantize_vector(x[row].numpy(), bits, cluster_dim, clip, None, scale_dtype)
             assert q.codes[row].tolist() == codes.tolist()
-            assert q.scale[row].tolist() == scales.astype("float32").tolist()
-            assert q.zero[row].tolist() == zeros.astype("float32").tolist()
+            assert q.scale[row].float().tolist() == scales.astype("float32").tolist()
+            assert q.zero[row].float().tolist() == zeros.astype("float32").tolist()
 
 
 def skewed_covariance(d: int, seed: int) -> torch.Tensor:
@@ -197,6 +201,15 @@ def test_fp16_overflow_is_rejected_but_float32_scales_work():
     assert torch.equal(dequantize(*q, 2, 32), x)
 
 
+def test_fp8_range_is_checked_before_the_saturating_cast():
+    # torch (and ONNX) saturate fp8 at 448 instead of overflowing: the codec refuses what would saturate.
+    for x in (torch.tensor([-800.0, 800.0] * 16), torch.full((32,), 500.0) + torch.arange(32) * 0.01):
+        with pytest.raises(OscarInputError, match="range of scale_dtype=float8_e4m3fn \\(max 448\\)"):
+            quantize(x, 2, 32, scale_dtype="float8_e4m3fn")
+    q = quantize(torch.tensor([-448.0, 448.0] * 16), 4, 32, scale_dtype="float8_e4m3fn")
+    assert q.zero.float().tolist() == [-448.0] and q.scale.float().tolist() == [60.0]  # 896 / 15 = 59.7 -> 60
+
+
 def test_bad_arguments():
     with pytest.raises(OscarInputError, match="bits=5"):
         quantize(torch.zeros(64), 5, 32)
@@ -240,7 +253,7 @@ def test_codec_on_cuda_equals_cpu():
     # CUDA divides by a Python scalar through its reciprocal: the reference must not (bf16 scales showed it).
     gen = torch.Generator().manual_seed(5)
     x = (torch.randn(4096, 128, generator=gen) * torch.logspace(-3, 3, 4096)[:, None]).half().float()
-    for bits, scale_dtype in [(b, s) for b in (2, 3, 4) for s in ("float16", "bfloat16", "float32")]:
+    for bits, scale_dtype in [(b, s) for b in (2, 3, 4) for s in ("float16", "bfloat16", "float32", "float8_e4m3fn")]:
         got = quantize(x.cuda(), bits, 32, 0.92, None, scale_dtype)
         want = quantize(x, bits, 32, 0.92, None, scale_dtype)
         for a, b in zip(got, want):

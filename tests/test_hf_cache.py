@@ -94,3 +94,7 @@ def test_triton_backend_generates_the_same_tokens():
     patch_model_for_kv_quant(model, backend="triton", **common)
     assert model.oscar.backend == "triton"
     assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), reference)
+    with pytest.raises(OscarInputError, match="scale_dtype='float8_e4m3fn' with backend='triton'"):
+        patch_model_for_kv_quant(model, backend="triton", scale_dtype="float8_e4m3fn", **common)
+    with pytest.raises(OscarInputError, match="scale_dtype='float8_e4m3fn' with backend='triton'"):
+        OscarCache(model, config=OscarConfig(scale_dtype="float8_e4m3fn"), backend="triton")

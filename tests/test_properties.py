@@ -64,6 +64,24 @@ def test_reconstruction_error_is_bounded(data, bits, clip):
 
 
 @SETTINGS
+@given(vectors(), bits_st, clip_st)
+def test_fp8_scales_match_numpy_port_and_bound_the_error(data, bits, clip):
+    x, cluster_dim = data
+    x = x.clamp(-200, 200)  # inside E4M3's range (448) for both the zero and the scale
+    q = quantize(x, bits, cluster_dim, clip, None, "float8_e4m3fn")
+    for row in range(x.shape[0]):
+        codes, scales, zeros = quantize_vector(x[row].numpy(), bits, cluster_dim, clip, None, "float8_e4m3fn")
+        assert q.codes[row].tolist() == codes.tolist()
+        assert q.scale[row].float().tolist() == scales.tolist() and q.zero[row].float().tolist() == zeros.tolist()
+    err = (dequantize(*q, bits, cluster_dim) - x).reshape(x.shape[0], -1, cluster_dim).abs()
+    groups = x.reshape(x.shape[0], -1, cluster_dim)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    # fp8 rounding of scale and zero (format.md section 3): relative 2^-4, or absolute 2^-10 below 2^-6.
+    bound = (q.scale.float() / 2 + (1 - clip) / 2 * (hi - lo) + 2**-4 * (lo.abs() + (hi - lo)) + 2**bits * 2**-10)
+    assert torch.all(err <= bound.unsqueeze(-1) * (1 + 1e-5))
+
+
+@SETTINGS
 @given(
     bits_k=bits_st,
     bits_v=bits_st,

@@ -30,12 +30,12 @@ from oscar_export.tune import (
 pytestmark = pytest.mark.usefixtures("single_threaded")
 
 
-def stored_bits(k_bits, v_bits, cluster_dim, sink, recent, head_dim, context):
-    """Bits per K/V element, counted by hand: fp16 windows, then per body vector its codes and an fp16
-    scale and zero per group, for K and for V."""
+def stored_bits(k_bits, v_bits, cluster_dim, sink, recent, head_dim, context, scale_bits=16):
+    """Bits per K/V element, counted by hand: fp16 windows, then per body vector its codes and a scale and zero
+    of scale_bits per group, for K and for V."""
     windows = min(context, sink + recent)
     body = context - windows
-    per_vector = sum(head_dim * b + 2 * 16 * head_dim // cluster_dim for b in (k_bits, v_bits))
+    per_vector = sum(head_dim * b + 2 * scale_bits * head_dim // cluster_dim for b in (k_bits, v_bits))
     return (windows * 2 * head_dim * 16 + body * per_vector) / (context * 2 * head_dim)
 
 
@@ -63,6 +63,25 @@ def test_a_budget_nothing_fits_names_the_cheapest(head_dim, group, budget):
                        rf"{cheapest:.3f} bits per element \(K2/V2, group {group}, sink {sink}, recent {recent}; a "
                        rf"group is at most head_dim={head_dim} elements\)"):
         candidates(budget, 32768, head_dim)
+
+
+def test_fp8_scales_bring_the_long_context_budget_within_reach():
+    """2.4 bits at 32K, out of head_dim 64's reach with fp16 scales (above), fits with fp8 ones: K2/V2, group 64."""
+    found = candidates(2.4, 32768, 64, scale_dtype="float8_e4m3fn")
+    assert found and all(c.config.scale_dtype == "float8_e4m3fn" for c in found)
+    k2v2 = next(c for c in found if (c.config.k_bits, c.config.v_bits, c.config.cluster_dim) == (2, 2, 64))
+    fitting = [w for w in WINDOWS if stored_bits(2, 2, 64, *w, 64, 32768, scale_bits=8) <= 2.4]
+    assert (k2v2.config.sink, k2v2.config.recent) == fitting[0]
+    assert k2v2.bits == pytest.approx(stored_bits(2, 2, 64, *fitting[0], 64, 32768, scale_bits=8))
+
+
+def test_a_budget_files_scale_dtype_is_part_of_its_format():
+    meta = {"budget_bits": 2.4, "k_bits": 2, "v_bits": 2, "cluster_dim": 64, "sink": 64, "recent": 256,
+            "k_clip": 0.85, "v_clip": 0.7, "scale_dtype": "float8_e4m3fn"}
+    assert config_for(SimpleNamespace(metadata=meta), 64).scale_dtype == "float8_e4m3fn"
+    # Without a budget the file's format is not applied: its scale dtype only says how its clips were searched.
+    plain = {key: value for key, value in meta.items() if key != "budget_bits"}
+    assert config_for(SimpleNamespace(metadata=plain), 64).scale_dtype == "float16"
 
 
 @pytest.fixture(scope="module")

@@ -125,6 +125,6 @@ def add_eval_command(subparsers) -> argparse.ArgumentParser:
                    help="calibrated 'oscar' fits one rotation per KV head (default: one per layer)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--plot", type=Path, help="write a PNG with the three panels")
-    add_cache_flags(p)
+    add_cache_flags(p, scale_dtypes=True)
     p.set_defaults(func=cmd_eval)
     return p

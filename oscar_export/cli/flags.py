@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..calibrations import CALIBRATED_K_ROUNDING, DEFAULT_TOKENS
-from ..config import (ROUNDINGS, SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError,
+from ..config import (ROUNDINGS, SCALE_DTYPES, SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError,
                       default_cluster_dim, with_metadata_defaults)
 
 
@@ -62,7 +62,9 @@ def _count(text: str) -> int:
     return value
 
 
-def add_cache_flags(p: argparse.ArgumentParser) -> None:
+def add_cache_flags(p: argparse.ArgumentParser, scale_dtypes: bool = False) -> None:
+    """The cache format's flags; `scale_dtypes` adds --scale-dtype, for the commands that run the reference codec
+    (the exported op and its benchmarks store fp16 scales)."""
     defaults = OscarConfig()
     g = p.add_argument_group("KV cache format")
     g.add_argument("--bits", type=int, choices=SUPPORTED_BITS,
@@ -84,6 +86,11 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
                    help=f"fp16 sink tokens (default: a budget-chosen rotation file's, else {defaults.sink})")
     g.add_argument("--recent", type=_count,
                    help=f"fp16 recent window (default: a budget-chosen rotation file's, else {defaults.recent})")
+    if scale_dtypes:
+        g.add_argument("--scale-dtype", choices=SCALE_DTYPES,
+                       help=f"how each group's scale and zero are stored (default {defaults.scale_dtype}); "
+                            "float8_e4m3fn: one byte each, a quarter bit per element less at group 64 (docs/format.md); "
+                            "exports take float16 only")
 
 
 def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = None) -> OscarConfig:
@@ -91,7 +98,7 @@ def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = 
     is unset, then the defaults."""
     fields = {"k_bits": args.k_bits or args.bits, "v_bits": args.v_bits or args.bits, "cluster_dim": args.cluster_dim,
               "k_clip": args.k_clip, "v_clip": args.v_clip, "sink": args.sink, "recent": args.recent,
-              "k_rounding": args.k_rounding}
+              "k_rounding": args.k_rounding, "scale_dtype": getattr(args, "scale_dtype", None)}
     fields = with_metadata_defaults(fields, rotation_metadata)
     if fields["cluster_dim"] is None:
         from ..models import model_shape

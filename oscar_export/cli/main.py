@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a rotation file whose cache format (one chosen by calibrate --budget-bits) the plan uses "
                         "where no flag is given")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_cache_flags(p)
+    add_cache_flags(p, scale_dtypes=True)
     p.set_defaults(func=commands.cmd_plan)
 
     p = sub.add_parser("info", help="what is installed and which runtimes are available",
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=positive_int, default=1024, help="tokens of text (default %(default)s)")
     p.add_argument("--device-memory", default="8GB", help="device memory for the plan (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_cache_flags(p)
+    add_cache_flags(p, scale_dtypes=True)
     p.set_defaults(func=commands.cmd_report)
 
     p = sub.add_parser("calibrate", help="fit OSCAR rotations from a local checkpoint",
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload-folder", type=Path, help="offload weights that do not fit in memory to this folder")
     p.add_argument("--max-memory", help="memory the weights may use before offloading, e.g. 4GB")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_cache_flags(p)
+    add_cache_flags(p, scale_dtypes=True)
     p.set_defaults(func=commands.cmd_calibrate)
 
     p = sub.add_parser("parity", help="compare codes, outputs and tokens across runtimes",

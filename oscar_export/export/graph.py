@@ -127,7 +127,9 @@ class OscarCausalLM(nn.Module):
             raise OscarInputError("rotations='online' estimates rotations from each prompt and cannot be exported: "
                                   "expected 'hadamard', 'none' or a rotation file (oscar-export calibrate)")
         if config.scale_dtype != "float16":
-            raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected 'float16', the exported op's format")
+            raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected 'float16', the exported op's format "
+                                  "(a rotation file that calibrate --budget-bits chose with another --scale-dtype "
+                                  "carries it: calibrate with float16 scales to export)")
         layers, kv_heads, head_dim, _ = attention_shape(model)
         config.check_head_dim(head_dim)
         config.check_layers(layers)

@@ -51,6 +51,7 @@ from ..config import SCALE_DTYPES, SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, Oscar
 # Scale dtypes as the kernels see them. bf16 is stored through its raw bits (int16) so the
 # interpreter, whose numpy has no bfloat16, runs the same code as the GPU.
 _SCALE_KIND = {"float16": 0, "bfloat16": 1, "float32": 2}
+KERNEL_SCALE_DTYPES = tuple(_SCALE_KIND)  # fp8 scales are the reference codec's only, for now
 
 
 def interpreting() -> bool:
@@ -205,8 +206,9 @@ def quantize_pack(
         raise OscarInputError(f"bits={bits!r}: expected one of {SUPPORTED_BITS}")
     if cluster_dim not in SUPPORTED_CLUSTER_DIMS:
         raise OscarInputError(f"cluster_dim={cluster_dim!r}: expected one of {SUPPORTED_CLUSTER_DIMS}")
-    if scale_dtype not in SCALE_DTYPES:
-        raise OscarInputError(f"scale_dtype={scale_dtype!r}: expected one of {SCALE_DTYPES}")
+    if scale_dtype not in _SCALE_KIND:
+        raise OscarInputError(f"scale_dtype={scale_dtype!r}: expected one of {KERNEL_SCALE_DTYPES} (the Triton "
+                              f"kernels' scale dtypes; the reference codec takes {SCALE_DTYPES})")
     *lead, d = x.shape
     if d % cluster_dim:
         raise OscarInputError(f"last dimension {d} is not a multiple of cluster_dim={cluster_dim}")
@@ -491,8 +493,11 @@ def decode_attention(
     else:
         (kc, ksc, kz), (vc, vsc, vz) = k_body, v_body
         b_cap = kc.shape[1]
-        scale_name = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}[ksc.dtype]
-        scale_kind = _SCALE_KIND[scale_name]
+        scale_names = {torch_scale_dtype(name): name for name in _SCALE_KIND}
+        if ksc.dtype not in scale_names:
+            raise OscarInputError(f"body scales are {ksc.dtype}: expected one of {KERNEL_SCALE_DTYPES} (the "
+                                  f"Triton kernels' scale dtypes)")
+        scale_kind = _SCALE_KIND[scale_names[ksc.dtype]]
         if scale_kind == 1:
             ksc, kz, vsc, vz = (t.view(torch.int16) for t in (ksc, kz, vsc, vz))
         if kc.shape[-1] != packed_bytes(d, k_bits) or vc.shape[-1] != packed_bytes(d, v_bits):

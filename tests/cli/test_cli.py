@@ -24,6 +24,21 @@ def test_plan_json():
     assert p["config"]["k_bits"] == 2
 
 
+def test_plan_with_fp8_scales_counts_one_byte_each():
+    """Llama-3-8B's shape (head_dim 128, group 64): fp8 scale and zero save 2 * 2 * 2 bytes per KV head and token
+    of the body, a quarter bit per element."""
+    plans = {}
+    for dtype in ("float16", "float8_e4m3fn"):
+        r = run("plan", "--model", "llama-3-8b", "--context", "32768", "--scale-dtype", dtype, "--json")
+        assert r.returncode == 0, r.stderr
+        plans[dtype] = json.loads(r.stdout)
+    fp16, fp8 = plans["float16"], plans["float8_e4m3fn"]
+    assert fp8["config"]["scale_dtype"] == "float8_e4m3fn"
+    body = 32768 - 64 - 256
+    assert fp16["kv_bytes"] - fp8["kv_bytes"] == 32 * 8 * body * 2 * 2 * 2
+    assert abs(fp16["bits_per_element"] - fp8["bits_per_element"] - 0.25 * body / 32768) < 1e-9
+
+
 def test_plan_table_and_cache_flags():
     r = run("plan", "--model", "qwen2.5-7b", "--context", "65536", "--bits", "3", "--cluster-dim", "128",
             "--sink", "32", "--recent", "128")
@@ -43,6 +58,8 @@ def test_plan_table_and_cache_flags():
         (["plan", "--cluster-dim", "48"], "--cluster-dim"),
         (["plan", "--model", "bundled", "--cluster-dim", "128"], "cluster_dim=128 does not divide head_dim=64"),
         (["plan", "--k-clip", "2"], "k_clip=2.0"),
+        (["plan", "--scale-dtype", "int8"], "--scale-dtype"),
+        (["--target", "laptop", "--scale-dtype", "float8_e4m3fn"], "unrecognized arguments: --scale-dtype"),
         (["report", "--text", "/no/such/file.txt"], "text file '/no/such/file.txt'"),
     ],
 )

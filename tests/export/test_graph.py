@@ -147,8 +147,9 @@ def test_refusals():
         OscarCausalLM(model, OscarConfig(), "online")
     with pytest.raises(OscarInputError, match="lloyd-max"):
         OscarCausalLM(model, OscarConfig(codebook="lloyd-max"), "hadamard")
-    with pytest.raises(OscarInputError, match="scale_dtype"):
-        OscarCausalLM(model, OscarConfig(scale_dtype="float32"), "hadamard")
+    for scale_dtype in ("float32", "float8_e4m3fn"):
+        with pytest.raises(OscarInputError, match=f"scale_dtype='{scale_dtype}': expected 'float16'"):
+            OscarCausalLM(model, OscarConfig(scale_dtype=scale_dtype), "hadamard")
     with pytest.raises(OscarInputError, match="k_rotation"):
         OscarCausalLM(model, OscarConfig(), random_rotation_set(3, 2, 64, seed=0))
     model.config.model_type = "gpt2"

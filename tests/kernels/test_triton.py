@@ -31,6 +31,7 @@ from safetensors.torch import load_file
 from oscar_export import OscarConfig, OscarInputError, OscarKVCache
 from oscar_export.codec import fit_lloyd_max_levels, quantize
 from oscar_export.kernels.triton_oscar import (
+    KERNEL_SCALE_DTYPES,
     cache_decode_inputs,
     decode_attention,
     interpreting,
@@ -42,7 +43,8 @@ from oscar_export.kernels.triton_oscar import (
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors"
 INDEX = json.loads((VECTORS / "index.json").read_text())
-CASES = sorted(INDEX["cases"])
+# fp8 scales are the reference codec's only (test_fp8_scales_are_refused_with_the_reason).
+CASES = sorted(name for name, meta in INDEX["cases"].items() if meta["config"]["scale_dtype"] in KERNEL_SCALE_DTYPES)
 # The quantize kernel rounds to the nearest level; K's error feedback is the reference append's (checked below).
 NEAREST = [name for name in CASES if INDEX["cases"][name]["config"].get("k_rounding", "nearest") == "nearest"]
 REGIONS = ("sink", "recent", "codes", "scale", "zero")
@@ -243,3 +245,13 @@ def test_feedback_rounding_decodes_with_the_kernel_and_appends_through_the_refer
     with pytest.raises(OscarInputError, match="nearest level only"):
         triton_decode_attend(cache, 0, q[:, 17:18].to(DEVICE), k[:, 17:18].to(DEVICE), v[:, 17:18].to(DEVICE),
                              append="triton")
+
+
+def test_fp8_scales_are_refused_with_the_reason():
+    with pytest.raises(OscarInputError, match="scale_dtype='float8_e4m3fn': expected one of .* Triton"):
+        quantize_pack(torch.zeros(2, 64, device=DEVICE), 2, 64, scale_dtype="float8_e4m3fn")
+    cache = OscarKVCache(OscarConfig(scale_dtype="float8_e4m3fn", sink=1, recent=1), 1, 2, 64, 8, device=DEVICE)
+    cache.attend(0, *(torch.randn(h, 4, 64).to(DEVICE) for h in (4, 2, 2)))
+    with pytest.raises(OscarInputError, match="body scales are torch.float8_e4m3fn: expected one of"):
+        triton_decode_attend(cache, 0, *(torch.randn(h, 1, 64).to(DEVICE) for h in (4, 2, 2)))
+    assert cache.length[0] == 4

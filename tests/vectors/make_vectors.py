@@ -59,6 +59,11 @@ CASES: dict[str, tuple[int, bool, OscarConfig]] = {
                                                         **SMALL_WINDOWS)),
     "b4_g64_feedback": (64, False, OscarConfig(k_bits=4, v_bits=4, k_rounding="feedback", **SMALL_WINDOWS)),
     "b2_g64_d128_feedback": (128, False, OscarConfig(k_rounding="feedback", k_clip=0.9, **SMALL_WINDOWS)),
+    # fp8 E4M3 scales and zeros (the reference codec's; the native op and Triton take fp16 / fp16, bf16, fp32)
+    "b2_g64_clip_fp8scale": (64, False, OscarConfig(k_clip=0.96, v_clip=0.92, scale_dtype="float8_e4m3fn",
+                                                    **SMALL_WINDOWS)),
+    "k3v2_g32_feedback_fp8scale": (64, False, OscarConfig(k_bits=3, cluster_dim=32, k_rounding="feedback", k_clip=0.92,
+                                                          scale_dtype="float8_e4m3fn", **SMALL_WINDOWS)),
 }
 
 # The chunks of every case's sequence: one prefill, then single-token decode steps.
@@ -83,13 +88,16 @@ def activations(gen: torch.Generator, heads: int, d: int) -> torch.Tensor:
     return torch.randn(heads, TOKENS, d, generator=gen) * channel_scale
 
 
-def codec_inputs(gen: torch.Generator, d: int, bits: int, cluster_dim: int) -> torch.Tensor:
-    """64 vectors: varied scales, constant groups, huge and tiny magnitudes, exact threshold ties."""
-    scales = torch.logspace(-3, 3, 48).unsqueeze(-1)
-    rows = [torch.randn(48, d, generator=gen) * scales]
-    rows.append(torch.full((4, d), 1.0) * torch.tensor([[0.0], [1.0], [-2.5], [1000.0]]))  # constant vectors
-    rows.append(torch.rand(4, d, generator=gen) * 1.2e5 - 6e4)  # near the fp16 limit
-    rows.append(torch.randn(4, d, generator=gen) * 1e-6)  # ranges whose fp16 scale is subnormal or 0
+def codec_inputs(gen: torch.Generator, d: int, bits: int, cluster_dim: int, fp8: bool = False) -> torch.Tensor:
+    """64 vectors: varied scales, constant groups, huge and tiny magnitudes, exact threshold ties. fp8: magnitudes
+    inside E4M3's range (448) and tiny ones for its subnormal (below 2^-6) and zero scales."""
+    scales = torch.logspace(-4, 1.5, 48) if fp8 else torch.logspace(-3, 3, 48)
+    rows = [torch.randn(48, d, generator=gen) * scales.unsqueeze(-1)]
+    big = 300.0 if fp8 else 1000.0
+    rows.append(torch.full((4, d), 1.0) * torch.tensor([[0.0], [1.0], [-2.5], [big]]))  # constant vectors
+    near = 400.0 if fp8 else 6e4
+    rows.append(torch.rand(4, d, generator=gen) * 2 * near - near)  # near the scale dtype's limit
+    rows.append(torch.randn(4, d, generator=gen) * (1e-3 if fp8 else 1e-6))  # subnormal or 0 scales
     mixed = torch.randn(2, d, generator=gen)
     mixed[:, :cluster_dim] = 0.75  # one constant group beside random ones
     rows.append(mixed)
@@ -107,7 +115,7 @@ def draw_originals(d: int, per_head: bool, cfg: OscarConfig, seed: int) -> dict[
     rot_shape = (LAYERS, KV_HEADS, d) if per_head else (LAYERS, d)
     k_rot, v_rot = random_orthogonal(gen, *rot_shape), random_orthogonal(gen, *rot_shape)
     q, k, v = activations(gen, Q_HEADS, d), activations(gen, KV_HEADS, d), activations(gen, KV_HEADS, d)
-    x = codec_inputs(gen, d, cfg.k_bits, cfg.cluster_dim)
+    x = codec_inputs(gen, d, cfg.k_bits, cfg.cluster_dim, fp8=cfg.scale_dtype == "float8_e4m3fn")
     return dict(zip(ORIGINALS, (q, k, v, k_rot, v_rot, x)))
 
 
