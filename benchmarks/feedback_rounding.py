@@ -30,14 +30,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from smollm2_levers import CONTEXTS  # noqa: E402
 from subspace_clustering import (  # noqa: E402
     CALIB_HELDOUT,
     CALIB_TOKENS,
+    gaps_to_fp16,
     load_split,
     log,
     measure,
-    paired_difference,
+    quality_cells,
 )
 
 from oscar_export.calibrate import fit_quantizer, fit_rotations  # noqa: E402
@@ -93,10 +93,8 @@ def main() -> None:
             rows[name] = measure(model, make, cfg, window, cases, needle_length, head_dim)
             rows[name].update(config=cfg.to_dict(), format=cfg.describe())
             log(f"{name}: {rows[name]['ppl']} needle {rows[name]['needle']}")
+    gaps_to_fp16(rows)
     fp16 = rows["fp16"]
-    for r in rows.values():
-        r["ppl_increase"] = {c: 100 * (r["ppl"][c] / fp16["ppl"][c] - 1) for c in CONTEXTS}
-        r["needle_vs_fp16"], r["needle_vs_fp16_se"] = paired_difference(r["needle_hits"], fp16["needle_hits"])
     wall = round(time.perf_counter() - started)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"feedback_rounding_{args.split}"
@@ -112,8 +110,7 @@ def main() -> None:
     for name, r in rows.items():
         label, _, rounding = name.rpartition(", ")
         lines.append(f"| {label or name} ({r.get('format', 'fp16')}) | {rounding if label else '-'} | {r['bits']:.3f} | "
-                     + " | ".join(f"{r['ppl'][c]:.2f} ({r['ppl_increase'][c]:+.1f}%)" for c in CONTEXTS)
-                     + f" | {r['needle']:.3f} | {100 * r['needle_vs_fp16']:+.1f} +- {100 * r['needle_vs_fp16_se']:.1f} |")
+                     f"{quality_cells(r)} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     log(f"wall {math.ceil(time.perf_counter() - started)} s")

@@ -36,15 +36,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from smollm2_levers import CONTEXTS  # noqa: E402
 from subspace_clustering import (  # noqa: E402
     BITS_CONTEXT,
     CALIB_HELDOUT,
     CALIB_TOKENS,
+    gaps_to_fp16,
     load_split,
     log,
     measure,
-    paired_difference,
+    quality_cells,
 )
 
 from oscar_export.calibrate import clip_errors  # noqa: E402
@@ -153,10 +153,8 @@ def main() -> None:
             heads.setdefault(i, []).append(h)
         run(f"heads-{n * kv_heads}", base, bits, wide_heads={i: tuple(hs) for i, hs in heads.items()})
 
+    gaps_to_fp16(rows)
     fp16 = rows["fp16"]
-    for r in rows.values():
-        r["ppl_increase"] = {c: 100 * (r["ppl"][c] / fp16["ppl"][c] - 1) for c in CONTEXTS}
-        r["needle_vs_fp16"], r["needle_vs_fp16_se"] = paired_difference(r["needle_hits"], fp16["needle_hits"])
     wall = round(time.perf_counter() - started)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"head_key_bits_{args.split}"
@@ -175,10 +173,7 @@ def main() -> None:
         where = ("-" if r.get("wide_layers") is None and r.get("wide_heads") is None
                  else "layers " + " ".join(map(str, r["wide_layers"])) if r.get("wide_layers")
                  else "heads (layer.head) " + " ".join(r["wide_heads"]))
-        lines.append(f"| {name} | {r['bits']:.3f} | "
-                     + " | ".join(f"{r['ppl'][c]:.2f} ({r['ppl_increase'][c]:+.1f}%)" for c in CONTEXTS)
-                     + f" | {r['needle']:.3f} | {100 * r['needle_vs_fp16']:+.1f} +- {100 * r['needle_vs_fp16_se']:.1f}"
-                     f" | {where} |")
+        lines.append(f"| {name} | {r['bits']:.3f} | {quality_cells(r)} | {where} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     log(f"wall {math.ceil(time.perf_counter() - started)} s")

@@ -82,10 +82,11 @@ from subspace_clustering import (  # noqa: E402
     CALIB_HELDOUT,
     CALIB_TOKENS,
     GGUF,
+    gaps_to_fp16,
     load_split,
     log,
     measure,
-    paired_difference,
+    quality_cells,
 )
 
 from oscar_export.calibrate import clip_candidates, clip_errors  # noqa: E402
@@ -144,10 +145,7 @@ def budget_row(budget: float, context: int, model, tokenizer, calibration_text: 
 
 
 def write_report(args, rows, gains, started, final: bool) -> None:
-    base = rows["fp16"]["ppl"]
-    for r in rows.values():
-        r["ppl_increase"] = {c: 100 * (r["ppl"][c] / base[c] - 1) for c in CONTEXTS}
-        r["needle_vs_fp16"], r["needle_vs_fp16_se"] = paired_difference(r["needle_hits"], rows["fp16"]["needle_hits"])
+    gaps_to_fp16(rows)
     wall = round(time.perf_counter() - started, 1)
     report = {"split": args.split, "model": "SmolLM2-135M-Instruct.Q4_1.gguf", "contexts": CONTEXTS,
               "complete": final, "rows": rows, "layer_gains": gains, "wall_s": wall}
@@ -169,14 +167,11 @@ def write_report(args, rows, gains, started, final: bool) -> None:
              "| vs fp16 | wider K layers (bits) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in sorted(rows.items(), key=lambda item: -item[1]["bits"]):
-        gap, se = r["needle_vs_fp16"], r["needle_vs_fp16_se"]
         layers = "-"
         if r.get("wider_k_layers") is not None:
             widths = r["config"].get("k_bits_by_layer") or [r["config"]["k_bits"]] * (max(r["wider_k_layers"]) + 1)
             layers = " ".join(f"{i}({widths[i]})" for i in r["wider_k_layers"])
-        lines.append(f"| {name} | {r['bits']:.3f} | {r['bits_at_budget_context']:.3f} | "
-                     + " | ".join(f"{r['ppl'][c]:.2f} ({r['ppl_increase'][c]:+.1f}%)" for c in CONTEXTS)
-                     + f" | {r['needle']:.3f} | {100 * gap:+.1f} +- {100 * se:.1f} | {layers} |")
+        lines.append(f"| {name} | {r['bits']:.3f} | {r['bits_at_budget_context']:.3f} | {quality_cells(r)} | {layers} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

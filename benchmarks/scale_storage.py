@@ -38,15 +38,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from feedback_rounding import FEEDBACK_CLIP  # noqa: E402
-from smollm2_levers import CONTEXTS  # noqa: E402
 from subspace_clustering import (  # noqa: E402
     BITS_CONTEXT,
     CALIB_HELDOUT,
     CALIB_TOKENS,
+    gaps_to_fp16,
     load_split,
     log,
     measure,
-    paired_difference,
+    quality_cells,
 )
 
 from oscar_export.cache import bits_per_element  # noqa: E402
@@ -146,10 +146,8 @@ def main() -> None:
             rows[name].update(config=cfg.to_dict(), format=cfg.describe(), bits=bits(cfg, head_dim, BITS_CONTEXT),
                               bits_32k=bits(cfg, head_dim, LONG_CONTEXT))
             log(f"{name}: {rows[name]['ppl']} needle {rows[name]['needle']}")
+    gaps_to_fp16(rows)
     fp16 = rows["fp16"]
-    for r in rows.values():
-        r["ppl_increase"] = {c: 100 * (r["ppl"][c] / fp16["ppl"][c] - 1) for c in CONTEXTS}
-        r["needle_vs_fp16"], r["needle_vs_fp16_se"] = paired_difference(r["needle_hits"], fp16["needle_hits"])
     wall = round(time.perf_counter() - started)
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.out / f"scale_storage_{args.split}"
@@ -164,9 +162,7 @@ def main() -> None:
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         label, _, encoding = name.partition(", ")
-        lines.append(f"| {label} | {encoding or '-'} | {r['bits']:.3f} | {r['bits_32k']:.3f} | "
-                     + " | ".join(f"{r['ppl'][c]:.2f} ({r['ppl_increase'][c]:+.1f}%)" for c in CONTEXTS)
-                     + f" | {r['needle']:.3f} | {100 * r['needle_vs_fp16']:+.1f} +- {100 * r['needle_vs_fp16_se']:.1f} |")
+        lines.append(f"| {label} | {encoding or '-'} | {r['bits']:.3f} | {r['bits_32k']:.3f} | {quality_cells(r)} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     log(f"wall {math.ceil(time.perf_counter() - started)} s")

@@ -274,6 +274,21 @@ def paired_difference(hits: str, reference: str) -> tuple[float, float]:
     return float(d.mean()), float(d.std() / math.sqrt(len(d)))
 
 
+def gaps_to_fp16(rows: dict) -> None:
+    """Each row's perplexity over rows["fp16"]'s per context (ppl_increase, %) and its needle gap to it, paired per
+    token (needle_vs_fp16 and its standard error)."""
+    fp16 = rows["fp16"]
+    for r in rows.values():
+        r["ppl_increase"] = {c: 100 * (r["ppl"][c] / fp16["ppl"][c] - 1) for c in CONTEXTS}
+        r["needle_vs_fp16"], r["needle_vs_fp16_se"] = paired_difference(r["needle_hits"], fp16["needle_hits"])
+
+
+def quality_cells(r: dict) -> str:
+    """A row's "ppl 2K | ppl 4K | ppl 8K | needle | gap to fp16" table cells, after gaps_to_fp16."""
+    return (" | ".join(f"{r['ppl'][c]:.2f} ({r['ppl_increase'][c]:+.1f}%)" for c in CONTEXTS)
+            + f" | {r['needle']:.3f} | {100 * r['needle_vs_fp16']:+.1f} +- {100 * r['needle_vs_fp16_se']:.1f}")
+
+
 def measure(model, make, cfg, window, cases, needle_length, head_dim, clusters=1) -> dict:
     """Perplexity of the 8K window at each of CONTEXTS and needle accuracy over every sequence of `cases`
     (None: no needle), with the per-token hits that paired_difference compares."""
