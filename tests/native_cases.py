@@ -21,8 +21,14 @@ from oscar_export.cache import OscarKVCache, capacities
 
 VECTORS = Path(__file__).parent / "vectors"
 INDEX = json.loads((VECTORS / "index.json").read_text())
-# The native op keeps fp16 scales (the recommended scale_dtype); other scale dtypes stay with the reference.
+# The op (the native core, its ONNX Runtime and ExecuTorch adapters, the torch op) stores fp16 or fp8 (E4M3)
+# scales: OP_GOLDEN. The Core ML and pure-ONNX lowerings keep fp16 ones: GOLDEN. bf16 and fp32 scales stay
+# with the reference and the Triton kernels.
 GOLDEN = sorted(name for name, meta in INDEX["cases"].items() if meta["config"]["scale_dtype"] == "float16")
+OP_GOLDEN = sorted(name for name, meta in INDEX["cases"].items()
+                     if meta["config"]["scale_dtype"] in ("float16", "float8_e4m3fn"))
+# The native core's scale_dtype numbers (runtime_ops/core/oscar_c_api.h) and element types.
+SCALE_DTYPES = {"float16": (0, np.float16), "float8_e4m3fn": (1, np.uint8)}
 KINDS = ("k", "v")
 REGIONS = ("sink", "recent", "codes", "scale", "zero")
 # Cache buffers in the op's input order (after q, k_new, v_new).
@@ -57,8 +63,8 @@ class Case:
             out[f"{kind}_sink"] = np.zeros((h, s, d), np.float16)
             out[f"{kind}_recent"] = np.zeros((h, w, d), np.float16)
             out[f"{kind}_codes"] = np.zeros((h, b, d * self.config.bits(kind) // 8), np.uint8)
-            out[f"{kind}_scale"] = np.zeros((h, b, g), np.float16)
-            out[f"{kind}_zero"] = np.zeros((h, b, g), np.float16)
+            out[f"{kind}_scale"] = np.zeros((h, b, g), SCALE_DTYPES[self.config.scale_dtype][1])
+            out[f"{kind}_zero"] = np.zeros((h, b, g), SCALE_DTYPES[self.config.scale_dtype][1])
             out[f"{kind}_levels"] = self.levels[kind].copy()
         out["k_feedback"] = np.zeros(0, np.float32) if self.feedback is None else self.feedback.copy()
         return {name: out[name] for name in CACHE_INPUTS}
@@ -75,8 +81,13 @@ def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and bool((a == b).all())
 
 
+def as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor as numpy; fp8 (E4M3) as its uint8 bits, the layout the native core stores."""
+    return (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).numpy()
+
+
 def _final(cache: OscarKVCache) -> dict[str, np.ndarray]:
-    return {f"{kind}_{region}": getattr(cache, region)[kind][0].numpy().copy() for kind in KINDS for region in REGIONS}
+    return {f"{kind}_{region}": as_numpy(getattr(cache, region)[kind][0]).copy() for kind in KINDS for region in REGIONS}
 
 
 def _levels(cache: OscarKVCache, config: OscarConfig) -> dict[str, np.ndarray]:
@@ -94,7 +105,7 @@ def golden_case(name: str) -> Case:
     outputs = [t["cache.prefill_out_rot"].numpy()] + [row.unsqueeze(1).numpy() for row in t["cache.decode_out_rot"]]
     levels = {kind: (t[f"cache.{kind}_levels"][0].numpy() if cfg.codebook == "lloyd-max"
                      else np.arange(2 ** cfg.bits(kind), dtype=np.float32)) for kind in KINDS}
-    final = {f"{kind}_{region}": t[f"cache.final.{kind}.{region}"][0].numpy() for kind in KINDS for region in REGIONS}
+    final = {f"{kind}_{region}": as_numpy(t[f"cache.final.{kind}.{region}"][0]) for kind in KINDS for region in REGIONS}
     feedback = t["cache.k_feedback"][0].numpy() if cfg.k_rounding == "feedback" else None
     return Case(name, cfg, meta["q_heads"], meta["kv_heads"], meta["head_dim"], meta["tokens"],
                 levels, chunks, outputs, final, feedback)
@@ -108,8 +119,10 @@ def _random_levels(rng: np.random.Generator, bits: int) -> torch.Tensor:
             return torch.from_numpy(levels)
 
 
-def random_case(rng: np.random.Generator, index: int, max_context: int = 40, max_chunk: int = 12) -> Case:
-    """A small random sequence (identity rotation) run through the reference OscarKVCache."""
+def random_case(rng: np.random.Generator, index: int, max_context: int = 40, max_chunk: int = 12,
+                scale_dtypes: tuple[str, ...] = ("float16",)) -> Case:
+    """A small random sequence (identity rotation) run through the reference OscarKVCache, its scales and zeros
+    in one of scale_dtypes."""
     cluster_dim = int(rng.choice([32, 64, 128]))
     head_dim = cluster_dim * int(rng.choice([1, 2])) if cluster_dim < 128 else 128
     cfg = OscarConfig(
@@ -120,6 +133,8 @@ def random_case(rng: np.random.Generator, index: int, max_context: int = 40, max
     )
     if cfg.codebook == "uniform" and rng.random() < 0.3:
         cfg = replace(cfg, k_rounding="feedback")
+    if len(scale_dtypes) > 1:
+        cfg = replace(cfg, scale_dtype=str(rng.choice(scale_dtypes)))
     kv_heads = int(rng.choice([1, 2]))
     q_heads = kv_heads * int(rng.choice([1, 2, 3, 4]))
     max_context = int(rng.integers(1, max_context + 1))
@@ -130,7 +145,8 @@ def random_case(rng: np.random.Generator, index: int, max_context: int = 40, max
         feedback = np.triu(rng.standard_normal((kv_heads, head_dim, head_dim), dtype=np.float32) * 0.3, 1)
     cache = OscarKVCache(cfg, 1, kv_heads, head_dim, max_context, k_levels=levels["k"], v_levels=levels["v"],
                          k_feedback=None if feedback is None else torch.from_numpy(feedback)[None])
-    scale = float(rng.choice([1.0, 10.0, 300.0]))
+    # Up to fp16's range, or well inside fp8's (E4M3 stores no scale or |zero| above 448).
+    scale = float(rng.choice([1.0, 10.0, 300.0 if cfg.scale_dtype == "float16" else 40.0]))
     q = torch.from_numpy(rng.standard_normal((q_heads, tokens, head_dim), dtype=np.float32))
     k, v = (torch.from_numpy(rng.standard_normal((kv_heads, tokens, head_dim), dtype=np.float32) * scale)
             for _ in KINDS)
@@ -160,7 +176,7 @@ def export_for_core_test(case: Case, directory: Path) -> Path:
         "q_heads": case.q_heads, "kv_heads": case.kv_heads, "head_dim": case.head_dim,
         "tokens": meta["tokens"], "prefill": meta["prefill"],
         "codec_bits": meta["codec_bits"], "codec_clip": float(np.float32(meta["codec_clip"])).hex(),
-        "k_rounding": int(case.feedback is not None),
+        "k_rounding": int(case.feedback is not None), "scale_dtype": SCALE_DTYPES[cfg.scale_dtype][0],
     }
     (directory / "case.txt").write_text("".join(f"{key} {value}\n" for key, value in fields.items()))
     arrays = {
@@ -171,8 +187,8 @@ def export_for_core_test(case: Case, directory: Path) -> Path:
         "prefill_out": case.outputs[0],
         "decode_out": np.stack([out[:, 0] for out in case.outputs[1:]]),
         "codec_input": t["codec.input"].numpy(), "codec_levels": case.levels["k"],
-        "codec_codes": t["codec.codes"].numpy(), "codec_scale": t["codec.scale"].numpy(),
-        "codec_zero": t["codec.zero"].numpy(),
+        "codec_codes": t["codec.codes"].numpy(), "codec_scale": as_numpy(t["codec.scale"]),
+        "codec_zero": as_numpy(t["codec.zero"]),
     }
     arrays.update({f"final_{name}": value for name, value in case.final.items()})
     if case.feedback is not None:

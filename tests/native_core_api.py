@@ -7,7 +7,7 @@ import ctypes
 
 import numpy as np
 
-from native_cases import Case
+from native_cases import SCALE_DTYPES, Case
 
 KERNELS = {"auto": 0, "dense": 1, "scalar": 2, "simd": 3}
 
@@ -16,7 +16,7 @@ class OscarAttentionConfig(ctypes.Structure):
     _fields_ = [("k_bits", ctypes.c_int32), ("v_bits", ctypes.c_int32), ("cluster_dim", ctypes.c_int32),
                 ("sink", ctypes.c_int64), ("recent", ctypes.c_int64), ("k_clip", ctypes.c_float),
                 ("v_clip", ctypes.c_float), ("scaling", ctypes.c_float), ("threads", ctypes.c_int32),
-                ("kernel", ctypes.c_int32), ("k_rounding", ctypes.c_int32)]
+                ("kernel", ctypes.c_int32), ("k_rounding", ctypes.c_int32), ("scale_dtype", ctypes.c_int32)]
 
 
 class NativeError(Exception):
@@ -29,7 +29,7 @@ class Core:
     def __init__(self, path):
         self.lib = ctypes.CDLL(str(path))
         p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-        self.lib.oscar_quantize_pack.argtypes = [p, i64, i64, i32, i32, f32, p, p, i64, p, i64, p, p, i64,
+        self.lib.oscar_quantize_pack.argtypes = [p, i64, i64, i32, i32, f32, p, p, i64, p, i64, p, p, i64, i32,
                                                  ctypes.c_char_p, ctypes.c_size_t]
         self.lib.oscar_attention.argtypes = [ctypes.POINTER(OscarAttentionConfig), ctypes.POINTER(i64),
                                              ctypes.POINTER(p), ctypes.POINTER(i64), i64, ctypes.c_char_p,
@@ -44,11 +44,14 @@ class Core:
         if rc:
             raise NativeError(err.value.decode())
 
-    def quantize_pack(self, x: np.ndarray, bits, cluster_dim, clip=1.0, levels=None, feedback=None):
+    def quantize_pack(self, x: np.ndarray, bits, cluster_dim, clip=1.0, levels=None, feedback=None,
+                      scale_dtype="float16"):
+        """codes, scale, zero; fp8 scales and zeros as their uint8 bits."""
         x = np.ascontiguousarray(x, np.float32)
         rows, d = x.shape
+        number, element = SCALE_DTYPES[scale_dtype]
         codes = np.zeros((rows, d * bits // 8), np.uint8)
-        scale = np.zeros((rows, d // cluster_dim), np.float16)
+        scale = np.zeros((rows, d // cluster_dim), element)
         zero = np.zeros_like(scale)
         lv = None if levels is None else np.ascontiguousarray(levels, np.float32)
         fb = None if feedback is None else np.ascontiguousarray(feedback, np.float32)
@@ -57,7 +60,7 @@ class Core:
                                           None if lv is None else lv.ctypes.data,
                                           None if fb is None else fb.ctypes.data, 0 if fb is None else fb.size,
                                           codes.ctypes.data, codes.size, scale.ctypes.data, zero.ctypes.data,
-                                          scale.size, err, len(err))
+                                          scale.size, number, err, len(err))
         self._check(rc, err)
         return codes, scale, zero
 
@@ -69,7 +72,7 @@ class Core:
         cfg = case.config
         c = OscarAttentionConfig(cfg.k_bits, cfg.v_bits, cfg.cluster_dim, cfg.sink, cfg.recent, cfg.k_clip,
                                  cfg.v_clip, case.scaling, threads, KERNELS.get(kernel, kernel),
-                                 int(cache["k_feedback"].size > 0))
+                                 int(cache["k_feedback"].size > 0), SCALE_DTYPES[cfg.scale_dtype][0])
         out = np.zeros(q.shape, np.float32)
         buffers = [q, k, v, *cache.values(), out]
         assert all(b.flags.c_contiguous for b in buffers)

@@ -12,13 +12,13 @@ extern "C" {
 #endif
 
 /* rows x head_dim fp32 -> codes [rows, head_dim*bits/8], scale and zero [rows, head_dim/cluster_dim]
- * (fp16). levels: 2^bits ascending code-unit levels, or NULL for uniform. feedback: error-feedback
+ * in scale_dtype (0: fp16 as uint16 bits, 1: fp8 E4M3 as uint8 bits). levels: 2^bits ascending code-unit levels, or NULL for uniform. feedback: error-feedback
  * weights [head_dim, head_dim] (format.md section 3, step 5), or NULL for nearest rounding. The *_count
  * arguments are the element counts of the buffers, checked before anything is written. */
 int oscar_quantize_pack(const float* x, int64_t rows, int64_t head_dim, int32_t bits, int32_t cluster_dim,
                         float clip, const float* levels, const float* feedback, int64_t feedback_count,
-                        uint8_t* codes, int64_t codes_count, uint16_t* scale, uint16_t* zero, int64_t scale_count,
-                        char* err, size_t err_len);
+                        uint8_t* codes, int64_t codes_count, void* scale, void* zero, int64_t scale_count,
+                        int32_t scale_dtype, char* err, size_t err_len);
 
 typedef struct {
   int32_t k_bits, v_bits, cluster_dim;
@@ -27,6 +27,7 @@ typedef struct {
   int32_t threads; /* 0 = one per core */
   int32_t kernel;  /* 0 auto, 1 dense, 2 scalar, 3 simd (decode steps only) */
   int32_t k_rounding; /* 0 nearest, 1 error feedback with the k_feedback buffer */
+  int32_t scale_dtype; /* of the body scales and zeros: 0 fp16 (uint16 elements), 1 fp8 E4M3 (uint8 elements) */
 } OscarAttentionConfig;
 
 /* dims: q_heads, kv_heads, tokens, head_dim, sink_cap, recent_cap, body_cap.

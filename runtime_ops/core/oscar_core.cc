@@ -4,6 +4,7 @@
 #include "oscar_core.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <condition_variable>
 #include <cmath>
@@ -49,6 +50,39 @@ inline float half_to_float(uint16_t h) {
   return x;
 }
 
+constexpr float kE4M3Max = 448.0f;
+
+int64_t scale_bytes(ScaleDtype t) { return t == ScaleDtype::kFloat16 ? 2 : 1; }
+const char* scale_dtype_name(ScaleDtype t) { return t == ScaleDtype::kFloat16 ? "float16" : "float8_e4m3fn"; }
+
+// E4M3 bits -> the same value's fp16 bits (exact): how the fused kernels read fp8 scales and zeros.
+const uint16_t* e4m3_to_f16_table() {
+  static const std::array<uint16_t, 256> table = [] {
+    std::array<uint16_t, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = f32_to_f16(e4m3_to_f32(uint8_t(b)));
+    return t;
+  }();
+  return table.data();
+}
+
+// Element i of a scale or zero buffer as fp32.
+float stored_value(ScaleDtype t, const void* p, int64_t i) {
+  return t == ScaleDtype::kFloat16 ? f16_to_f32(static_cast<const uint16_t*>(p)[i])
+                                   : e4m3_to_f32(static_cast<const uint8_t*>(p)[i]);
+}
+
+Status check_scale_dtype(ScaleDtype t) {
+  if (t != ScaleDtype::kFloat16 && t != ScaleDtype::kFloat8E4M3)
+    return fail("scale_dtype=", int32_t(t), ": expected 0 (float16) or 1 (float8_e4m3fn)");
+  return {};
+}
+
+// The error for a vector whose group scale or zero its scale_dtype cannot store (storable()).
+Status out_of_range(const char* what, int64_t index, ScaleDtype t) {
+  return fail(what, index, " exceeds the range of scale_dtype=", scale_dtype_name(t), " (max ",
+              t == ScaleDtype::kFloat16 ? 65504 : 448, "): expected smaller magnitudes");
+}
+
 Status check_bits(const char* name, int bits) {
   if (bits < 2 || bits > 4) return fail(name, "=", bits, ": expected 2, 3 or 4");
   return {};
@@ -79,35 +113,58 @@ void thresholds(const float* levels, int bits, float* thr) {
   for (int j = 0; j + 1 < (1 << bits); ++j) thr[j] = (levels[j] + levels[j + 1]) * 0.5f;
 }
 
-// One vector -> packed codes, fp16 scale and zero per group (format.md sections 3-4). levels: the
-// 2^bits code-unit levels thr was made from. feedback ([head_dim, head_dim] row-major, or nullptr):
-// codes chosen with error feedback (section 3, step 5), on running values in `work` (head_dim floats).
-// Returns false when a scale or zero overflows fp16.
-bool quantize_vector(const float* x, int64_t head_dim, int bits, int cluster_dim, float clip, const float* levels,
-                     const float* thr, const float* feedback, float* work, uint8_t* codes, uint16_t* scale,
-                     uint16_t* zero) {
-  const float half_clip = 0.5f * clip;  // "c = 0.5 * clip rounded once to fp32": exact for an fp32 clip
+// A group's fp32 scale and zero before storage rounding (format.md section 3, steps 1-3).
+void group_scale_zero(const float* xs, int cluster_dim, float clip, int bits, float& scale, float& zero) {
+  float lo = xs[0], hi = xs[0];
+  for (int i = 1; i < cluster_dim; ++i) {
+    lo = xs[i] < lo ? xs[i] : lo;
+    hi = xs[i] > hi ? xs[i] : hi;
+  }
+  if (clip < 1.0f) {
+    const float half_clip = 0.5f * clip;  // "c = 0.5 * clip rounded once to fp32": exact for an fp32 clip
+    const float mid = (hi + lo) * 0.5f;
+    const float half = (hi - lo) * half_clip;
+    lo = mid - half;
+    hi = mid + half;
+  }
+  scale = (hi - lo) / float((1 << bits) - 1);
+  zero = lo;
+}
+
+// Whether every group of a vector has a scale and zero that scale_dtype stores: fp16 rounds a finite
+// value to inf past 65504; E4M3 has no inf, so the codec refuses a scale or |zero| above 448 before rounding.
+bool storable(const float* x, int64_t head_dim, int bits, int cluster_dim, float clip, ScaleDtype dtype) {
+  for (int64_t g = 0; g < head_dim / cluster_dim; ++g) {
+    float s, z;
+    group_scale_zero(x + g * cluster_dim, cluster_dim, clip, bits, s, z);
+    const bool ok = dtype == ScaleDtype::kFloat16 ? f16_finite(f32_to_f16(s)) && f16_finite(f32_to_f16(z))
+                                                  : s <= kE4M3Max && std::fabs(z) <= kE4M3Max;
+    if (!ok) return false;
+  }
+  return true;
+}
+
+// One vector -> packed codes, scale and zero per group in scale_dtype (format.md sections 3-4); callers
+// check storable() first. levels: the 2^bits code-unit levels thr was made from. feedback ([head_dim,
+// head_dim] row-major, or nullptr): codes chosen with error feedback (section 3, step 5), on running values
+// in `work` (head_dim floats).
+void quantize_vector(const float* x, int64_t head_dim, int bits, int cluster_dim, float clip, const float* levels,
+                     const float* thr, const float* feedback, float* work, uint8_t* codes, void* scale, void* zero,
+                     ScaleDtype dtype) {
   const int thresholds_count = (1 << bits) - 1;
   for (int64_t g = 0; g < head_dim / cluster_dim; ++g) {
-    const float* xs = x + g * cluster_dim;
-    float lo = xs[0], hi = xs[0];
-    for (int i = 1; i < cluster_dim; ++i) {
-      lo = xs[i] < lo ? xs[i] : lo;
-      hi = xs[i] > hi ? xs[i] : hi;
+    float s, z;
+    group_scale_zero(x + g * cluster_dim, cluster_dim, clip, bits, s, z);
+    if (dtype == ScaleDtype::kFloat16) {
+      static_cast<uint16_t*>(scale)[g] = f32_to_f16(s);
+      static_cast<uint16_t*>(zero)[g] = f32_to_f16(z);
+    } else {
+      static_cast<uint8_t*>(scale)[g] = f32_to_e4m3(s);
+      static_cast<uint8_t*>(zero)[g] = f32_to_e4m3(z);
     }
-    if (clip < 1.0f) {
-      const float mid = (hi + lo) * 0.5f;
-      const float half = (hi - lo) * half_clip;
-      lo = mid - half;
-      hi = mid + half;
-    }
-    const uint16_t s16 = f32_to_f16((hi - lo) / float(thresholds_count));
-    const uint16_t z16 = f32_to_f16(lo);
-    if (!f16_finite(s16) || !f16_finite(z16)) return false;
-    scale[g] = s16;
-    zero[g] = z16;
   }
-  // The codes of each element, in channel order: 8 codes form one bits-byte little-endian word.
+  // The codes of each element, in channel order, against the stored scale and zero: 8 codes form one
+  // bits-byte little-endian word.
   const float* values = x;
   if (feedback) {
     std::copy(x, x + head_dim, work);
@@ -115,7 +172,7 @@ bool quantize_vector(const float* x, int64_t head_dim, int bits, int cluster_dim
   }
   uint32_t word = 0;
   for (int64_t i = 0; i < head_dim; ++i) {
-    const float s = f16_to_f32(scale[i / cluster_dim]), z = f16_to_f32(zero[i / cluster_dim]);
+    const float s = stored_value(dtype, scale, i / cluster_dim), z = stored_value(dtype, zero, i / cluster_dim);
     uint32_t code = 0;  // the number of thresholds u strictly exceeds; 0 in a group of scale 0
     if (s != 0.0f) {
       const float u = (values[i] - z) / s;
@@ -133,7 +190,6 @@ bool quantize_vector(const float* x, int64_t head_dim, int bits, int cluster_dim
       for (int64_t j = i + 1; j < head_dim; ++j) work[j] = work[j] - error * f[j];
     }
   }
-  return true;
 }
 
 // K's error-feedback weights: finite, |w| <= 64 (codec.FEEDBACK_LIMIT).
@@ -275,9 +331,12 @@ struct Kind {
 struct Layer {
   const AttentionArgs& a;
   int64_t S, W, D, T, G, n0, sink_cap, recent_cap, body_cap, group;  // group: query heads per KV head
+  ScaleDtype scale_dtype;
+  int64_t sbytes;  // bytes of one stored scale or zero
   Kind kind[2];
 
-  explicit Layer(const AttentionArgs& args) : a(args) {
+  explicit Layer(const AttentionArgs& args)
+      : a(args), scale_dtype(args.config.scale_dtype), sbytes(scale_bytes(args.config.scale_dtype)) {
     const AttentionDims& d = a.dims;
     S = a.config.sink, W = a.config.recent, D = d.head_dim, T = d.tokens, n0 = a.length;
     G = D / a.config.cluster_dim;
@@ -296,15 +355,32 @@ struct Layer {
     }
   }
 
-  BodyView body(const Kind& k, int64_t h) const {
-    return BodyView{k.cache.codes + h * body_cap * k.code_bytes,
-                    k.cache.scale + h * body_cap * G,
-                    k.cache.zero + h * body_cap * G,
-                    k.levels,
-                    k.bits,
-                    int(D),
-                    a.config.cluster_dim,
-                    int(G)};
+  // Where body row r of KV head h keeps its scales and zeros.
+  void* scale_at(const Kind& k, int64_t h, int64_t r) const {
+    return static_cast<uint8_t*>(k.cache.scale) + (h * body_cap + r) * G * sbytes;
+  }
+  void* zero_at(const Kind& k, int64_t h, int64_t r) const {
+    return static_cast<uint8_t*>(k.cache.zero) + (h * body_cap + r) * G * sbytes;
+  }
+
+  // The view the fused kernels read body rows [r0, r0 + n) of KV head h through, with the row they start
+  // at in it: fp16 scales in place (row r0); fp8 ones widened into `widened` (2 n G values, the rows'
+  // scales then zeros; row 0), so every kernel set reads fp16 bits either way.
+  BodyView block(const Kind& k, int64_t h, int64_t r0, int n, uint16_t* widened, int64_t& row0) const {
+    const uint8_t* codes = k.cache.codes + h * body_cap * k.code_bytes;
+    if (scale_dtype == ScaleDtype::kFloat16) {
+      row0 = r0;
+      return BodyView{codes, static_cast<const uint16_t*>(scale_at(k, h, 0)),
+                      static_cast<const uint16_t*>(zero_at(k, h, 0)), k.levels, k.bits, int(D), a.config.cluster_dim,
+                      int(G)};
+    }
+    const uint16_t* table = e4m3_to_f16_table();
+    const uint8_t* s8 = static_cast<const uint8_t*>(scale_at(k, h, r0));
+    const uint8_t* z8 = static_cast<const uint8_t*>(zero_at(k, h, r0));
+    for (int64_t i = 0; i < n * G; ++i) widened[i] = table[s8[i]], widened[n * G + i] = table[z8[i]];
+    row0 = 0;
+    return BodyView{codes + r0 * k.code_bytes, widened, widened + n * G, k.levels, k.bits, int(D),
+                    a.config.cluster_dim, int(G)};
   }
 
   // The fp32 values at positions p .. p+n-1 of KV head h as this chunk's attention sees them: the
@@ -335,11 +411,13 @@ struct Layer {
 
   // Body row `row` of KV head h, dequantized to fp32 (the dense path's view of the packed body).
   void body_row(const Kind& k, int64_t h, int64_t row, float* dst) const {
-    const BodyView b = body(k, h);
-    const int cd = b.cluster_dim;
+    const int cd = a.config.cluster_dim;
+    const BodyView b{nullptr, nullptr, nullptr, k.levels, k.bits, int(D), cd, int(G)};  // group_levels' fields
+    const uint8_t* codes = k.cache.codes + (h * body_cap + row) * k.code_bytes;
+    const void *scale = scale_at(k, h, row), *zero = zero_at(k, h, row);
     for (int64_t g = 0; g < G; ++g) {
-      group_levels(b, b.codes + row * k.code_bytes + g * cd * k.bits / 8, dst + g * cd);
-      const float s = half_to_float(b.scale[row * G + g]), z = half_to_float(b.zero[row * G + g]);
+      group_levels(b, codes + g * cd * k.bits / 8, dst + g * cd);
+      const float s = stored_value(scale_dtype, scale, g), z = stored_value(scale_dtype, zero, g);
       for (int i = 0; i < cd; ++i) dst[g * cd + i] = z + s * dst[g * cd + i];
     }
   }
@@ -403,9 +481,11 @@ struct Layer {
     float* vb = kb + kBlock * D;
     float* s = vb + kBlock * D;  // group * kBodyBlock
     float* weights = s + group * kBodyBlock;  // group * (kBodyBlock + 1) * G
+    // kBodyBlock * G floats: one block's fp8 scales and zeros widened to fp16 (block())
+    uint16_t* widened = reinterpret_cast<uint16_t*>(weights + group * (kBodyBlock + 1) * G);
     // group * kPreparedBytes, 32-byte aligned (scratch_floats leaves 32 bytes of slack)
-    void* prepared = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(weights + group * (kBodyBlock + 1) * G) + 31) &
-                                             ~uintptr_t(31));
+    void* prepared = reinterpret_cast<void*>(
+        (reinterpret_cast<uintptr_t>(weights + group * (kBodyBlock + 1) * G + kBodyBlock * G) + 31) & ~uintptr_t(31));
     const float* q = a.q + h * group * D;  // the group's query heads are contiguous when T == 1
     std::fill(m, m + group, -std::numeric_limits<float>::infinity());
     std::fill(l, l + group, 0.0f);
@@ -432,14 +512,16 @@ struct Layer {
     };
     if (windows) dense(0, sink_end());
     if (row_from < row_to) {
-      const BodyView kbody = body(kind[0], h), vbody = body(kind[1], h);
-      kernels.prepare(kbody, q, int(group), prepared);
+      int64_t row0;
+      kernels.prepare(block(kind[0], h, row_from, 0, widened, row0), q, int(group), prepared);
       for (int64_t r0 = row_from; r0 < row_to; r0 += kBodyBlock) {
         const int n = int(std::min<int64_t>(kBodyBlock, row_to - r0));
-        kernels.scores(kbody, r0, n, q, qsum, int(group), s, prepared);
+        const BodyView kbody = block(kind[0], h, r0, n, widened, row0);
+        kernels.scores(kbody, row0, n, q, qsum, int(group), s, prepared);
         for (int64_t hh = 0; hh < group; ++hh)
           softmax_block(kernels, a.config.scaling, s + hh * n, n, m[hh], l[hh], acc + hh * D, D);
-        kernels.values(vbody, r0, n, s, int(group), acc, weights);
+        const BodyView vbody = block(kind[1], h, r0, n, widened, row0);
+        kernels.values(vbody, row0, n, s, int(group), acc, weights);
       }
     }
     if (windows) dense(tail_from(), n0 + 1);
@@ -466,6 +548,34 @@ struct Layer {
     }
   }
 
+  // The fp16 value at position p (< n0 + T) that the placement rule quantizes when it leaves the ring
+  // or skips it: a ring slot (read before this call overwrites it) or a row of the chunk.
+  const uint16_t* leaving(const Kind& k, int64_t h, int64_t p) const {
+    return p < n0 ? k.cache.recent + (h * recent_cap + (p - S) % W) * D : k.chunk + (h * T + p - n0) * D;
+  }
+
+  // With fp8 scales, whether every vector this call quantizes has storable groups (fp16 ones always do):
+  // checked before anything is written, so a refused call leaves the cache as it was.
+  Status storable_rows() const {
+    if (scale_dtype == ScaleDtype::kFloat16) return {};
+    std::vector<float> row;
+    try {
+      row.resize(D);
+    } catch (const std::bad_alloc&) {
+      return fail("out of memory for ", D, " floats of range-check scratch");
+    }
+    const int64_t n1 = n0 + T;
+    for (const Kind& k : kind)
+      for (int64_t h = 0; h < a.dims.kv_heads; ++h)
+        for (int64_t p = std::max(S, n0 - W); p < std::max(S, n1 - W); ++p) {
+          const uint16_t* src = leaving(k, h, p);
+          for (int64_t i = 0; i < D; ++i) row[i] = half_to_float(src[i]);
+          if (!storable(row.data(), D, k.bits, a.config.cluster_dim, k.clip, scale_dtype))
+            return out_of_range(&k == &kind[0] ? "a K vector at position " : "a V vector at position ", p, scale_dtype);
+        }
+    return {};
+  }
+
   // The placement rule (format.md section 5) for KV head h; row is 2 D floats of scratch.
   void append(int64_t h, float* row) const {
     const int64_t n1 = n0 + T;
@@ -475,13 +585,15 @@ struct Layer {
         std::memcpy(k.cache.sink + (h * sink_cap + p) * D, chunk + (p - n0) * D, D * sizeof(uint16_t));
       // Leaving (or skipping) the ring: quantize the fp16 value, reading the ring before it is overwritten.
       for (int64_t p = std::max(S, n0 - W); p < std::max(S, n1 - W); ++p) {
-        const uint16_t* src = p < n0 ? k.cache.recent + (h * recent_cap + (p - S) % W) * D : chunk + (p - n0) * D;
+        const uint16_t* src = leaving(k, h, p);
         for (int64_t i = 0; i < D; ++i) row[i] = half_to_float(src[i]);
-        const int64_t r = h * body_cap + p - S;
-        // Cannot fail: a finite fp16 group has range <= 131008, so scale <= 43670 < 65504.
+        const int64_t r = p - S;
+        // Storable (unchecked): fp16 because a finite fp16 group has range <= 131008, so scale <= 43670 <
+        // 65504; fp8 because oscar_attention checked every row this call quantizes (storable_rows).
         quantize_vector(row, D, k.bits, a.config.cluster_dim, k.clip, k.levels, k.thr,
-                        k.feedback ? k.feedback + h * D * D : nullptr, row + D, k.cache.codes + r * k.code_bytes,
-                        k.cache.scale + r * G, k.cache.zero + r * G);
+                        k.feedback ? k.feedback + h * D * D : nullptr, row + D,
+                        k.cache.codes + (h * body_cap + r) * k.code_bytes, scale_at(k, h, r), zero_at(k, h, r),
+                        scale_dtype);
       }
       for (int64_t p = std::max({S, n1 - W, n0}); p < n1; ++p)
         std::memcpy(k.cache.recent + (h * recent_cap + (p - S) % W) * D, chunk + (p - n0) * D, D * sizeof(uint16_t));
@@ -494,7 +606,7 @@ struct Layer {
 
   int64_t scratch_floats() const {
     const int64_t rows = 2 * kBlock * D;
-    if (fused()) return group * (G + kBodyBlock + (kBodyBlock + 1) * G + kPreparedBytes / 4) + 8 + rows;
+    if (fused()) return group * (G + kBodyBlock + (kBodyBlock + 1) * G + kPreparedBytes / 4) + kBodyBlock * G + 8 + rows;
     return kBlock * group * (2 + D) + rows + kBlock;
   }
 };
@@ -669,9 +781,47 @@ float f16_to_f32(uint16_t h) {
   return x;
 }
 
+uint8_t f32_to_e4m3(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t a = u & 0x7fffffffu;
+  uint32_t q, rem, mid;
+  if (a >= 0x3c800000u) {  // >= 2^-6, normal E4M3: rebias the exponent (127 -> 7), drop 20 mantissa bits
+    const uint32_t r = a - 0x3c000000u;
+    q = r >> 20, rem = r & 0xfffffu, mid = 0x80000u;
+  } else {
+    if (a < 0x3a800000u) return uint8_t(sign);  // below 2^-10: rounds to zero
+    const uint32_t e = a >> 23, mant = (a & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 141 - e;  // subnormal E4M3 counts units of 2^-9
+    q = mant >> shift, rem = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
+  }
+  if (rem > mid || (rem == mid && (q & 1u))) ++q;  // a carry into the exponent is correct
+  return uint8_t(sign | q);
+}
+
+float e4m3_to_f32(uint8_t b) {
+  const uint32_t sign = uint32_t(b & 0x80u) << 24, e = (b >> 3) & 0xfu, m = b & 0x7u;
+  uint32_t u;
+  if (e == 0xf && m == 0x7) {
+    u = sign | 0x7fc00000u;  // the only NaN encodings; E4M3 has no inf
+  } else if (e == 0) {
+    const float x = float(m) * 0.001953125f;  // subnormal: m units of 2^-9, exact
+    std::memcpy(&u, &x, sizeof u);
+    u |= sign;
+  } else {
+    u = sign | (e + 120) << 23 | m << 20;
+  }
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
 Status quantize_pack(const float* x, int64_t rows, int64_t head_dim, int bits, int cluster_dim, float clip,
-                     const float* levels, uint8_t* codes, uint16_t* scale, uint16_t* zero, const float* feedback) {
+                     const float* levels, uint8_t* codes, void* scale, void* zero, const float* feedback,
+                     ScaleDtype scale_dtype) {
   if (Status st = check_bits("bits", bits); !st.ok()) return st;
+  if (Status st = check_scale_dtype(scale_dtype); !st.ok()) return st;
   if (cluster_dim != 32 && cluster_dim != 64 && cluster_dim != 128)
     return fail("cluster_dim=", cluster_dim, ": expected 32, 64 or 128");
   if (head_dim <= 0 || head_dim >= kMaxDim || head_dim % cluster_dim)
@@ -699,11 +849,14 @@ Status quantize_pack(const float* x, int64_t rows, int64_t head_dim, int bits, i
   } catch (const std::bad_alloc&) {
     return fail("out of memory for ", head_dim, " floats of feedback scratch");
   }
-  const int64_t groups = head_dim / cluster_dim;
+  for (int64_t r = 0; r < rows; ++r)  // before any write: a refused input leaves the outputs untouched
+    if (!storable(x + r * head_dim, head_dim, bits, cluster_dim, clip, scale_dtype))
+      return out_of_range("input row ", r, scale_dtype);
+  const int64_t groups = head_dim / cluster_dim, sb = scale_bytes(scale_dtype);
   for (int64_t r = 0; r < rows; ++r)
-    if (!quantize_vector(x + r * head_dim, head_dim, bits, cluster_dim, clip, lv, thr, feedback, work.data(),
-                         codes + r * head_dim * bits / 8, scale + r * groups, zero + r * groups))
-      return fail("input row ", r, " exceeds the range of scale_dtype=float16 (max 65504): expected smaller magnitudes");
+    quantize_vector(x + r * head_dim, head_dim, bits, cluster_dim, clip, lv, thr, feedback, work.data(),
+                    codes + r * head_dim * bits / 8, static_cast<uint8_t*>(scale) + r * groups * sb,
+                    static_cast<uint8_t*>(zero) + r * groups * sb, scale_dtype);
   return {};
 }
 
@@ -728,6 +881,7 @@ Status buffer_shapes(const AttentionConfig& c, const AttentionDims& d, BufferSha
   if (Status st = check_clip("v_clip", c.v_clip); !st.ok()) return st;
   if (!std::isfinite(c.scaling)) return fail("scaling=", c.scaling, ": expected a finite number");
   if (c.threads < 0) return fail("threads=", c.threads, ": expected >= 0 (0 = one per core)");
+  if (Status st = check_scale_dtype(c.scale_dtype); !st.ok()) return st;
   if (c.k_rounding != 0 && c.k_rounding != 1)
     return fail("k_rounding=", c.k_rounding, ": expected 0 (nearest) or 1 (feedback: k_feedback given)");
   if (c.kernel < Kernel::kAuto || c.kernel > Kernel::kSimd)
@@ -799,6 +953,7 @@ Status oscar_attention(const AttentionArgs& a) {
   if (Status st = check_finite_f16("v_new", a.v_new, shapes[2].count()); !st.ok()) return st;
 
   const Layer layer(a);
+  if (Status st = layer.storable_rows(); !st.ok()) return st;
   // kernel=dense keeps the whole step scalar: the in-tree reference.
   const Kernel kind = a.config.kernel;
   const BodyKernels& kernels =

@@ -19,13 +19,21 @@ struct Status {
 uint16_t f32_to_f16(float x);
 float f16_to_f32(uint16_t h);
 
-// Quantizes `rows` fp32 vectors of head_dim values (docs/format.md sections 3-4, fp16
-// scale_dtype): codes [rows, head_dim*bits/8], scale and zero [rows, head_dim/cluster_dim]
-// as fp16 bits. levels: 2^bits ascending code-unit levels, or nullptr for uniform.
+// How a group's scale and zero are stored (format.md section 4's scale_dtype): fp16, or OCP fp8 E4M3
+// ("float8_e4m3fn": no inf, largest finite 448). Every E4M3 value is an fp16 value, so the kernels read
+// fp8 scales widened to fp16 bits, exactly.
+enum class ScaleDtype : int32_t { kFloat16 = 0, kFloat8E4M3 = 1 };
+// fp32 -> E4M3 bits, round to nearest even, for |x| <= 448 (callers check the range: E4M3 has no inf).
+uint8_t f32_to_e4m3(float x);
+float e4m3_to_f32(uint8_t b);
+
+// Quantizes `rows` fp32 vectors of head_dim values (docs/format.md sections 3-4): codes
+// [rows, head_dim*bits/8], scale and zero [rows, head_dim/cluster_dim] as fp16 (uint16) or E4M3
+// (uint8) bits. levels: 2^bits ascending code-unit levels, or nullptr for uniform.
 // feedback: K's error-feedback weights [head_dim, head_dim] (section 3, step 5), or nullptr for nearest rounding.
 Status quantize_pack(const float* x, int64_t rows, int64_t head_dim, int bits, int cluster_dim, float clip,
-                     const float* levels, uint8_t* codes, uint16_t* scale, uint16_t* zero,
-                     const float* feedback = nullptr);
+                     const float* levels, uint8_t* codes, void* scale, void* zero, const float* feedback = nullptr,
+                     ScaleDtype scale_dtype = ScaleDtype::kFloat16);
 
 // Which path runs. Decode steps (T == 1) take the fused kernels unless kDense; prefill chunks
 // (T > 1) always take the dense path, with the SIMD dot/axpy/exp unless kDense or kScalar.
@@ -47,6 +55,7 @@ struct AttentionConfig {
   int32_t threads = 1;
   Kernel kernel = Kernel::kAuto;
   int32_t k_rounding = 0;  // 0: K codes to the nearest level; 1: with error feedback (AttentionArgs::k_feedback)
+  ScaleDtype scale_dtype = ScaleDtype::kFloat16;  // of both kinds' body scales and zeros
 };
 
 // Tensor sizes of one layer's op call. Capacities are those of a cache of
@@ -58,13 +67,14 @@ struct AttentionDims {
 
 // One kind's (K or V) cache of one layer, C-contiguous, fp16 stored as uint16 bits:
 // sink [Hkv, sink_cap, D], recent [Hkv, recent_cap, D], codes [Hkv, body_cap, D*bits/8],
-// scale and zero [Hkv, body_cap, D/cluster_dim], levels [2^bits] fp32.
+// scale and zero [Hkv, body_cap, D/cluster_dim] in config.scale_dtype (uint16 or uint8 elements),
+// levels [2^bits] fp32.
 struct KindCache {
   uint16_t* sink = nullptr;
   uint16_t* recent = nullptr;
   uint8_t* codes = nullptr;
-  uint16_t* scale = nullptr;
-  uint16_t* zero = nullptr;
+  void* scale = nullptr;
+  void* zero = nullptr;
   const float* levels = nullptr;
 };
 

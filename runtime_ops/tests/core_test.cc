@@ -3,7 +3,7 @@
 //
 //   oscar_core_test [--random N] [CASE_DIR ...]
 //
-// Always: fp16 conversion, the packing examples of docs/format.md, bad input (an error and no
+// Always: fp16 and fp8 E4M3 conversions, the packing examples of docs/format.md, bad input (an error and no
 // write), and N (default 200) random decode states where every fused kernel must match the
 // dense path within 1e-4 relative. Each CASE_DIR is a golden case exported by the Python test
 // (case.txt + raw little-endian .bin files): codec bit-exact, then the prefill and decode
@@ -67,8 +67,8 @@ double rel_err(const std::vector<float>& got, const std::vector<float>& want) {
 struct Cache {
   AttentionConfig cfg;
   AttentionDims dims;
-  std::vector<uint16_t> sink[2], recent[2], scale[2], zero[2];
-  std::vector<uint8_t> codes[2];
+  std::vector<uint16_t> sink[2], recent[2];
+  std::vector<uint8_t> codes[2], scale[2], zero[2];  // scale and zero: raw bits of cfg.scale_dtype
   std::vector<float> levels[2];
   std::vector<float> feedback;  // K's error-feedback weights [Hkv, D, D] with cfg.k_rounding 1
 
@@ -84,8 +84,20 @@ struct Cache {
       sink[i].assign(kv_heads * S * head_dim, 0);
       recent[i].assign(kv_heads * W * head_dim, 0);
       codes[i].assign(kv_heads * B * head_dim * bits[i] / 8, 0);
-      scale[i].assign(kv_heads * B * G, 0);
-      zero[i].assign(kv_heads * B * G, 0);
+      scale[i].assign(kv_heads * B * G * bytes(), 0);
+      zero[i].assign(kv_heads * B * G * bytes(), 0);
+    }
+  }
+
+  size_t bytes() const { return cfg.scale_dtype == ScaleDtype::kFloat16 ? 2 : 1; }
+
+  // Element i of a scale or zero buffer set to x, rounded to cfg.scale_dtype.
+  void store(std::vector<uint8_t>& buf, size_t i, float x) const {
+    if (cfg.scale_dtype == ScaleDtype::kFloat16) {
+      const uint16_t h = f32_to_f16(x);
+      std::memcpy(buf.data() + 2 * i, &h, 2);
+    } else {
+      buf[i] = f32_to_e4m3(x);
     }
   }
 
@@ -168,7 +180,8 @@ void test_bad_input() {
                           void (*spoil)(std::vector<float>&, std::vector<uint16_t>&, Cache&)) {
     Cache cache(c, 2, 1, 32, 8, uniform(c.k_bits >= 2 && c.k_bits <= 4 ? c.k_bits : 2),
                 uniform(c.v_bits >= 2 && c.v_bits <= 4 ? c.v_bits : 2));
-    for (auto* buf : {&cache.sink[0], &cache.recent[1], &cache.scale[0]}) std::fill(buf->begin(), buf->end(), 0x1234);
+    for (auto* buf : {&cache.sink[0], &cache.recent[1]}) std::fill(buf->begin(), buf->end(), 0x1234);
+    std::fill(cache.scale[0].begin(), cache.scale[0].end(), 0x34);
     std::vector<float> q(2 * T * 32, 0.5f), out(2 * T * 32, 7.0f);
     std::vector<uint16_t> kv(T * 32, f32_to_f16(0.25f));
     if (spoil) spoil(q, kv, cache);
@@ -195,6 +208,14 @@ void test_bad_input() {
   expect_error(cfg, 1, 0, "kv_heads", [](auto&, auto&, Cache& cc) { cc.dims.q_heads = 3, cc.dims.kv_heads = 2; });
   expect_error(cfg, 1, 0, "is null", [](auto&, auto&, Cache& cc) { std::vector<uint8_t>().swap(cc.codes[0]); });
 
+  // fp8 scales: a K or V vector whose group the placement rule quantizes in this call (position 2 of a
+  // 5-token prefill with sink 2, recent 2) with a zero below -448 is refused before anything is written.
+  c = cfg, c.scale_dtype = ScaleDtype::kFloat8E4M3;
+  expect_error(c, 5, 0, "a K vector at position 2 exceeds the range of scale_dtype=float8_e4m3fn",
+               [](auto&, auto& kv, auto&) { kv[2 * 32 + 4] = f32_to_f16(-500.0f); });
+  c.scale_dtype = ScaleDtype(2);
+  expect_error(c, 1, 0, "scale_dtype=2", nullptr);
+
   float x[64];
   for (int i = 0; i < 64; ++i) x[i] = float(i);
   uint8_t codes[16];
@@ -206,6 +227,35 @@ void test_bad_input() {
          "overflow");
   EXPECT(quantize_pack(x, 1, 48, 2, 32, 1.0f, nullptr, codes, s, z).error.find("head_dim") != std::string::npos,
          "head_dim");
+  // E4M3 has no inf: a group past 448 (its scale, or its zero's magnitude) is refused, and nothing is written.
+  uint8_t s8[2] = {7, 7}, z8[2] = {7, 7};
+  x[7] = 1000.0f;  // scale 1000 / 3 = 333: stored
+  EXPECT(quantize_pack(x, 1, 64, 2, 32, 1.0f, nullptr, codes, s8, z8, nullptr, ScaleDtype::kFloat8E4M3).ok(), "fp8 in range");
+  x[7] = 7.0f, x[40] = -449.0f;  // zero -449 in group 1
+  s8[0] = z8[0] = 7;
+  const Status st = quantize_pack(x, 1, 64, 2, 32, 1.0f, nullptr, codes, s8, z8, nullptr, ScaleDtype::kFloat8E4M3);
+  EXPECT(st.error.find("float8_e4m3fn (max 448)") != std::string::npos, "fp8 zero range: '%s'", st.error.c_str());
+  EXPECT(s8[0] == 7 && z8[0] == 7, "a refused fp8 quantize_pack wrote its outputs");
+}
+
+// E4M3 (float8_e4m3fn): every byte but the two NaNs survives e4m3 -> f32 -> e4m3, and so does its fp16
+// widening; round to nearest even at the subnormal, exponent and top boundaries.
+void test_fp8() {
+  for (int b = 0; b < 256; ++b) {
+    const float x = e4m3_to_f32(uint8_t(b));
+    if ((b & 0x7f) == 0x7f) {
+      EXPECT(std::isnan(x), "E4M3 %02x is NaN", b);
+      continue;
+    }
+    EXPECT(f32_to_e4m3(x) == b, "round trip %02x -> %g -> %02x", b, x, f32_to_e4m3(x));
+    EXPECT(f16_to_f32(f32_to_f16(x)) == x, "E4M3 %02x = %g is not an fp16 value", b, x);
+  }
+  const struct { float x; uint8_t b; } cases[] = {
+      {1.0f + 0x1p-4f, 0x38},  {1.0f + 0x1.8p-3f, 0x3a}, {0x1.11p+0f, 0x39},            {448.0f, 0x7e},
+      {0x1p-9f, 0x01},         {0x1p-10f, 0x00},          {0x1.8p-9f, 0x02},             {0x1.000002p-10f, 0x01},
+      {0x1.ep-7f, 0x08},       {0x1p-6f, 0x08},           {-0.0f, 0x80},                 {-2.5f, 0xc2},
+      {1e-30f, 0x00},          {0.0f, 0x00}};
+  for (const auto& c : cases) EXPECT(f32_to_e4m3(c.x) == c.b, "f32_to_e4m3(%a) = %02x, expected %02x", c.x, f32_to_e4m3(c.x), c.b);
 }
 
 // The integer score path at its bound (oscar_kernels.h, SplitQuery): a query of equal elements gives
@@ -263,6 +313,7 @@ void test_random(int count) {
     cfg.k_clip = pick({0, 1}) ? 1.0f : 0.9f, cfg.v_clip = pick({0, 1}) ? 1.0f : 0.8f;
     cfg.scaling = 1.0f / std::sqrt(float(D));
     cfg.threads = pick({1, 2});
+    cfg.scale_dtype = pick({0, 0, 1}) ? ScaleDtype::kFloat8E4M3 : ScaleDtype::kFloat16;
     const int64_t kv_heads = pick({1, 2, 3}), q_heads = kv_heads * pick({1, 2, 3, 5}), C = pick({20, 90, 150});
     std::vector<float> lv[2];
     for (int i = 0; i < 2; ++i) {
@@ -314,19 +365,21 @@ void reverse_pool(void*, void (*fn)(void*, size_t), size_t items, void* data) {
 // A decode step over a long body, cut into slices: every thread count of the core's workers and a
 // runtime pool give the dense path's output within 1e-4 relative and the same cache; two callers at
 // once (the second finds the workers busy and runs alone) too.
-void test_slices() {
+void test_slices(ScaleDtype scale_dtype) {
   std::mt19937 rng(99);
   std::normal_distribution<float> normal;
   AttentionConfig cfg;
-  cfg.cluster_dim = 64, cfg.sink = 16, cfg.recent = 64, cfg.scaling = 0.125f;
+  cfg.cluster_dim = 64, cfg.sink = 16, cfg.recent = 64, cfg.scaling = 0.125f, cfg.scale_dtype = scale_dtype;
   const int64_t kv_heads = 3, q_heads = 9, D = 64, C = 3000, length = 2900;
   Cache base(cfg, q_heads, kv_heads, D, C, uniform(2), uniform(2));
   for (int i = 0; i < 2; ++i) {  // a random valid state: any codes, small positive scales
     for (auto& x : base.sink[i]) x = f32_to_f16(normal(rng));
     for (auto& x : base.recent[i]) x = f32_to_f16(normal(rng));
     for (auto& x : base.codes[i]) x = uint8_t(rng());
-    for (auto& x : base.scale[i]) x = f32_to_f16(0.05f + 0.01f * std::fabs(normal(rng)));
-    for (auto& x : base.zero[i]) x = f32_to_f16(-0.1f + 0.02f * normal(rng));
+    for (size_t j = 0; j < base.scale[i].size() / base.bytes(); ++j) {
+      base.store(base.scale[i], j, 0.05f + 0.01f * std::fabs(normal(rng)));
+      base.store(base.zero[i], j, -0.1f + 0.02f * normal(rng));
+    }
   }
   std::vector<float> q(q_heads * D), want(q_heads * D);
   std::vector<uint16_t> k(kv_heads * D), v(kv_heads * D);
@@ -366,8 +419,9 @@ void test_slices() {
   two.cfg.threads = 2;
   check(two, "concurrent caller");
   other.join();
-  std::printf("slices: %d sliced decode steps of %lld body rows checked against the dense path\n", checked.load(),
-              (long long)(length - cfg.sink - cfg.recent));
+  std::printf("slices: %d sliced decode steps of %lld body rows (%s scales) checked against the dense path\n",
+              checked.load(), (long long)(length - cfg.sink - cfg.recent),
+              scale_dtype == ScaleDtype::kFloat16 ? "fp16" : "fp8");
 }
 
 // ---- golden cases ------------------------------------------------------------------------
@@ -395,6 +449,8 @@ void test_golden(const std::string& dir) {
   cfg.sink = int64_t(num("sink")), cfg.recent = int64_t(num("recent"));
   cfg.k_clip = float(num("k_clip")), cfg.v_clip = float(num("v_clip")), cfg.scaling = float(num("scaling"));
   cfg.k_rounding = int(num("k_rounding"));
+  cfg.scale_dtype = ScaleDtype(int(num("scale_dtype")));
+  const size_t sbytes = cfg.scale_dtype == ScaleDtype::kFloat16 ? 2 : 1;
   const int64_t Hq = int64_t(num("q_heads")), Hkv = int64_t(num("kv_heads")), D = int64_t(num("head_dim")),
                 N = int64_t(num("tokens")), P = int64_t(num("prefill"));
   const std::string name = meta["name"];
@@ -407,14 +463,14 @@ void test_golden(const std::string& dir) {
   const int64_t rows = int64_t(x.size()) / D, G = D / cfg.cluster_dim;
   const int cbits = int(num("codec_bits"));
   std::vector<uint8_t> codes(rows * D * cbits / 8);
-  std::vector<uint16_t> scale(rows * G), zero(rows * G);
+  std::vector<uint8_t> scale(rows * G * sbytes), zero(rows * G * sbytes);
   const Status st = quantize_pack(x.data(), rows, D, cbits, cfg.cluster_dim, float(num("codec_clip")),
                                   codec_levels.data(), codes.data(), scale.data(), zero.data(),
-                                  cfg.k_rounding ? feedback.data() : nullptr);
+                                  cfg.k_rounding ? feedback.data() : nullptr, cfg.scale_dtype);
   EXPECT(st.ok(), "%s codec: %s", name.c_str(), st.error.c_str());
   EXPECT(codes == read_bin<uint8_t>(dir + "/codec_codes.bin"), "%s: codec codes differ", name.c_str());
-  EXPECT(scale == read_bin<uint16_t>(dir + "/codec_scale.bin"), "%s: codec scales differ", name.c_str());
-  EXPECT(zero == read_bin<uint16_t>(dir + "/codec_zero.bin"), "%s: codec zeros differ", name.c_str());
+  EXPECT(scale == read_bin<uint8_t>(dir + "/codec_scale.bin"), "%s: codec scales differ", name.c_str());
+  EXPECT(zero == read_bin<uint8_t>(dir + "/codec_zero.bin"), "%s: codec zeros differ", name.c_str());
 
   // Replay: prefill of P tokens, then one decode step per remaining token.
   const auto q = read_bin<float>(dir + "/q.bin");  // [Hq, N, D] rotated
@@ -459,8 +515,8 @@ void test_golden(const std::string& dir) {
       EXPECT(cache.sink[i] == read_bin<uint16_t>(p + "sink.bin"), "%s: final %s sink differs", name.c_str(), kinds[i]);
       EXPECT(cache.recent[i] == read_bin<uint16_t>(p + "recent.bin"), "%s: final %s ring differs", name.c_str(), kinds[i]);
       EXPECT(cache.codes[i] == read_bin<uint8_t>(p + "codes.bin"), "%s: final %s codes differ", name.c_str(), kinds[i]);
-      EXPECT(cache.scale[i] == read_bin<uint16_t>(p + "scale.bin"), "%s: final %s scales differ", name.c_str(), kinds[i]);
-      EXPECT(cache.zero[i] == read_bin<uint16_t>(p + "zero.bin"), "%s: final %s zeros differ", name.c_str(), kinds[i]);
+      EXPECT(cache.scale[i] == read_bin<uint8_t>(p + "scale.bin"), "%s: final %s scales differ", name.c_str(), kinds[i]);
+      EXPECT(cache.zero[i] == read_bin<uint8_t>(p + "zero.bin"), "%s: final %s zeros differ", name.c_str(), kinds[i]);
     }
   }
   std::printf("golden %s: max relative error %.3g\n", name.c_str(), worst);
@@ -549,11 +605,13 @@ int main(int argc, char** argv) {
     }
   }
   test_fp16();
+  test_fp8();
   test_packing_examples();
   test_bad_input();
   test_extreme_scores();
   test_random(random);
-  test_slices();
+  test_slices(ScaleDtype::kFloat16);
+  test_slices(ScaleDtype::kFloat8E4M3);
   test_kernel_sets(random);
   for (const std::string& dir : cases) test_golden(dir);
   std::printf("%s: %d failure(s)\n", failures ? "FAILED" : "OK", failures.load());

@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from backends import BACKEND, native_core, replay
-from native_cases import (GOLDEN, INDEX, VECTORS, assert_final_cache, export_for_core_test, golden_case, random_case,
-                          same_bits)
+from native_cases import (OP_GOLDEN, INDEX, VECTORS, assert_final_cache, as_numpy, export_for_core_test,
+                          golden_case, random_case, same_bits)
 from native_core_api import NativeError
 from oscar_export.codec import quantize
 from oscar_export.native import CORE_TEST, build_native
@@ -40,7 +40,7 @@ def core():
 # -- golden vectors (the op's replays: tests/ops/test_conformance.py) --------------------------------
 
 
-@pytest.mark.parametrize("name", GOLDEN)
+@pytest.mark.parametrize("name", OP_GOLDEN)
 def test_quantize_pack_matches_golden_codec(core, name):
     meta = INDEX["cases"][name]
     t = load_file(str(VECTORS / meta["file"]))
@@ -48,10 +48,11 @@ def test_quantize_pack_matches_golden_codec(core, name):
     # The codec vectors of a feedback case use layer 0's weights of KV head 0 (tests/vectors/make_vectors.py).
     feedback = t["cache.k_feedback"][0, 0].numpy() if meta["config"].get("k_rounding") == "feedback" else None
     codes, scale, zero = core.quantize_pack(t["codec.input"].numpy(), meta["codec_bits"],
-                                            meta["config"]["cluster_dim"], meta["codec_clip"], levels, feedback)
+                                            meta["config"]["cluster_dim"], meta["codec_clip"], levels, feedback,
+                                            meta["config"]["scale_dtype"])
     assert same_bits(codes, t["codec.codes"].numpy())
-    assert same_bits(scale, t["codec.scale"].numpy())
-    assert same_bits(zero, t["codec.zero"].numpy())
+    assert same_bits(scale, as_numpy(t["codec.scale"]))
+    assert same_bits(zero, as_numpy(t["codec.zero"]))
 
 
 # -- randomized ---------------------------------------------------------------------------------
@@ -59,11 +60,13 @@ def test_quantize_pack_matches_golden_codec(core, name):
 
 def test_quantize_pack_random_matches_codec(core):
     rng = np.random.default_rng(7)
-    for _ in range(200):
+    for _ in range(300):
         bits, cluster_dim = int(rng.choice([2, 3, 4])), int(rng.choice([32, 64, 128]))
         d = cluster_dim * int(rng.integers(1, 3))
         clip = float(rng.choice([1.0, 0.96, 0.5]))
-        magnitude = np.float32(10.0 ** rng.uniform(-4, 3.5))  # |x| stays inside fp16 range
+        scale_dtype = str(rng.choice(["float16", "float8_e4m3fn"]))
+        # |x| stays inside fp16's range; fp8's reaches its subnormals (below 2^-6) and stays under 448
+        magnitude = np.float32(10.0 ** (rng.uniform(-4, 3.5) if scale_dtype == "float16" else rng.uniform(-4, 2)))
         x = rng.standard_normal((int(rng.integers(1, 9)), d), dtype=np.float32) * magnitude
         x = x.astype(np.float16).astype(np.float32) if rng.random() < 0.5 else x  # window values are fp16
         levels = np.sort(rng.uniform(0, 2**bits - 1, 2**bits)).astype(np.float32) if rng.random() < 0.3 else None
@@ -72,11 +75,11 @@ def test_quantize_pack_random_matches_codec(core):
         # Error-feedback weights of calibration's size (strictly upper, about 1) in a third of the draws.
         feedback = np.triu(rng.standard_normal((d, d), dtype=np.float32) * 0.3, 1) if rng.random() < 0.3 else None
         ref_levels = None if levels is None else torch.from_numpy(levels)
-        want = quantize(torch.from_numpy(x), bits, cluster_dim, clip, ref_levels,
+        want = quantize(torch.from_numpy(x), bits, cluster_dim, clip, ref_levels, scale_dtype,
                         feedback=None if feedback is None else torch.from_numpy(feedback))
-        got = core.quantize_pack(x, bits, cluster_dim, clip, levels, feedback)
+        got = core.quantize_pack(x, bits, cluster_dim, clip, levels, feedback, scale_dtype)
         for g, w in zip(got, want):
-            assert same_bits(g, w.numpy())
+            assert same_bits(g, as_numpy(w))
 
 
 def test_random_cases_match_the_reference():
@@ -84,7 +87,7 @@ def test_random_cases_match_the_reference():
     rng = np.random.default_rng(2024)
     start, worst, chunks = time.perf_counter(), 0.0, 0
     for i in range(RANDOM_CASES):
-        case = random_case(rng, i)
+        case = random_case(rng, i, scale_dtypes=("float16", "float8_e4m3fn"))
         kernel = ("auto", "dense", "scalar", "simd")[i % 4]
         err, cache = replay(NATIVE, case, kernel=kernel, threads=1 + i % 2)
         assert err <= 1e-3, f"{case.name} ({case.config}, kernel {kernel}): relative error {err:.3g}"
@@ -98,7 +101,7 @@ def test_long_chunks_cross_the_query_tiles():
     """Prefill chunks longer than the dense path's 64-token query tiles and key blocks."""
     rng = np.random.default_rng(5)
     for i in range(8):
-        case = random_case(rng, i, max_context=200, max_chunk=150)
+        case = random_case(rng, i, max_context=200, max_chunk=150, scale_dtypes=("float16", "float8_e4m3fn"))
         err, cache = replay(NATIVE, case, threads=2)
         assert err <= 1e-3, f"{case.name} ({case.config}): relative error {err:.3g}"
         assert_final_cache(case, cache)
@@ -108,7 +111,7 @@ def test_long_chunks_cross_the_query_tiles():
 
 
 def test_bad_input_is_an_error_and_writes_nothing(core):
-    case = golden_case(GOLDEN[0])
+    case = golden_case(OP_GOLDEN[0])
     q, k, v = (np.ascontiguousarray(x) for x in case.chunks[0])
     cache = case.empty_cache()
     before = {name: a.copy() for name, a in cache.items()}
@@ -135,6 +138,9 @@ def test_bad_input_is_an_error_and_writes_nothing(core):
         core.quantize_pack(np.zeros((1, 96), np.float32), 2, 48)
     with pytest.raises(NativeError, match="scale_dtype=float16"):
         core.quantize_pack(np.full((1, 64), 1e30, np.float32) * np.arange(64, dtype=np.float32), 2, 64)
+    with pytest.raises(NativeError, match=r"input row 1 exceeds the range of scale_dtype=float8_e4m3fn \(max 448\)"):
+        core.quantize_pack(np.array([[0.0] * 63 + [1.0], [-449.0] + [0.0] * 63], np.float32), 2, 64,
+                           scale_dtype="float8_e4m3fn")
     with pytest.raises(NativeError, match="feedback has 64 elements: expected 4096"):
         core.quantize_pack(np.zeros((1, 64), np.float32), 2, 64, feedback=np.zeros(64, np.float32))
     with pytest.raises(NativeError, match="k_feedback holds 100 at 5: expected finite weights"):
@@ -149,7 +155,7 @@ def test_bad_input_is_an_error_and_writes_nothing(core):
 @pytest.fixture(scope="module")
 def golden_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("golden")
-    return [str(export_for_core_test(golden_case(name), root / name)) for name in GOLDEN]
+    return [str(export_for_core_test(golden_case(name), root / name)) for name in OP_GOLDEN]
 
 
 def run_core_test(cmd: list[str], env=None) -> str:
