@@ -22,12 +22,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from native_cases import CACHE_INPUTS, GOLDEN, INDEX, KINDS, REGIONS, Case, rel_err
+from native_cases import CACHE_INPUTS, OP_GOLDEN, GOLDEN, INDEX, KINDS, REGIONS, Case, rel_err
 from native_core_api import Core
 from oscar_export import OscarKVCache
 from oscar_export.native import (EXECUTORCH_INVOKE, build_native, core_library_path, executorch_dir,
                                  ort_include_dir, ort_library_path)
-from oscar_export.ops.attention import CACHE_NAMES
+from oscar_export.ops.attention import CACHE_NAMES, SCALE_NAMES
 
 
 @dataclass(frozen=True)
@@ -37,7 +37,7 @@ class Backend:
     name: str
     attend: Callable
     tolerance: float  # the largest rel_err of an output against the reference's
-    cases: tuple[str, ...] = tuple(GOLDEN)  # the golden cases it replays (the native op keeps fp16 scales)
+    cases: tuple[str, ...] = tuple(GOLDEN)  # the golden cases it replays: fp16 scales unless it says more
     missing: Callable[[], str | None] = lambda: None  # why its runtime is unavailable here, or None
     options: dict = field(default_factory=dict)  # passed to attend
     new_cache: Callable[[Case], object] = Case.empty_cache
@@ -157,8 +157,12 @@ def ort_run(session, feeds: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def _ort_attend(case, cache, q, k, v, length, threads=1):
+    from onnx import TensorProto
+
     feeds = dict(cache, q=q, k_new=k, v_new=v, length=np.array([length], np.int64))
-    return ort_run(ort_sessions().get(ort_attributes(case, threads)), feeds)
+    # fp8 scales and zeros travel as their uint8 bits
+    types = {name: TensorProto.UINT8 for name in SCALE_NAMES} if cache["k_scale"].dtype == np.uint8 else None
+    return ort_run(ort_sessions().get(ort_attributes(case, threads), types), feeds)
 
 
 # -- ExecuTorch: oscar::attention.out from the operator registry, through the test hook ----------------
@@ -359,13 +363,13 @@ NEAREST = tuple(name for name in TRITON_CASES if INDEX["cases"][name]["config"].
 BACKENDS = (
     # Tolerances as each backend's own tests had them. The native core (runtime_ops/core), also under the
     # ONNX Runtime and ExecuTorch adapters, sums in another order than the reference.
-    *(Backend(f"native-{kernel}", _native_attend, 1e-3, missing=_build_tools_missing,
+    *(Backend(f"native-{kernel}", _native_attend, 1e-3, cases=tuple(OP_GOLDEN), missing=_build_tools_missing,
               options=dict(kernel=kernel, threads=2 if kernel == "scalar" else 1))
       for kernel in ("dense", "scalar", "auto")),
-    Backend("onnxruntime", _ort_attend, 1e-3, missing=_ort_missing, options=dict(threads=0)),
-    Backend("executorch", _et_attend, 1e-3, missing=_et_missing),
+    Backend("onnxruntime", _ort_attend, 1e-3, cases=tuple(OP_GOLDEN), missing=_ort_missing, options=dict(threads=0)),
+    Backend("executorch", _et_attend, 1e-3, cases=tuple(OP_GOLDEN), missing=_et_missing),
     # The reference itself, wrapped around the caller's buffers.
-    *(Backend(f"torch-{variant}", _torch_attend, 1e-5, options=dict(variant=variant))
+    *(Backend(f"torch-{variant}", _torch_attend, 1e-5, cases=tuple(OP_GOLDEN), options=dict(variant=variant))
       for variant in ("inplace", "out", "functional")),
     # Every vector case, the fp32-scale one included; each storage path on every other case, as the
     # interpreter takes seconds a case.

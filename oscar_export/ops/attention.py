@@ -22,11 +22,16 @@ ATTRIBUTES = ("k_bits", "v_bits", "cluster_dim", "sink", "recent", "k_clip", "v_
 # Every input of the op in order, with its dtype: the table the native adapters check against
 # (oscar_core.h kBufferNames; oscar_ort.cc and oscar_et.cc kInputTypes). `length` is the op's last input.
 # k_feedback: K's error-feedback weights [kv_heads, D, D] (k_rounding 'feedback'), or empty for nearest rounding.
+# The scales and zeros are float16 as listed, or all four uint8 holding fp8 E4M3 bits (scale_dtype
+# float8_e4m3fn): every runtime has uint8 tensors, not every one has fp8 ones.
 INPUT_DTYPES = (("q", torch.float32), ("k_new", torch.float16), ("v_new", torch.float16),
                 *((name, torch.uint8 if name.endswith("_codes") else torch.float16) for name in CACHE_NAMES),
                 ("k_levels", torch.float32), ("v_levels", torch.float32), ("k_feedback", torch.float32),
                 ("length", torch.int64))
 INPUTS = tuple(name for name, _ in INPUT_DTYPES)
+SCALE_NAMES = ("k_scale", "k_zero", "v_scale", "v_zero")
+# The dtype of the op's scale and zero buffers for each scale_dtype it stores.
+BUFFER_SCALE_DTYPES = {"float16": torch.float16, "float8_e4m3fn": torch.uint8}
 
 
 _ATTRS = "int k_bits, int v_bits, int cluster_dim, int sink, int recent, float k_clip, float v_clip, float scaling"
@@ -52,13 +57,22 @@ def wrap_cache(cache, k_levels, v_levels, k_feedback, length, k_bits, v_bits, cl
     """An OscarKVCache of one layer whose storage is the given buffers (written in place). An empty k_feedback
     rounds K to the nearest level."""
     given = dict(zip(CACHE_NAMES, cache))
+    first = given["k_scale"].dtype
+    for name in SCALE_NAMES:
+        if given[name].dtype != first or first not in BUFFER_SCALE_DTYPES.values():
+            raise OscarInputError(f"{name} is {given[name].dtype}: expected torch.float16, or torch.uint8 (fp8 E4M3 "
+                                  f"bits), the same for {', '.join(SCALE_NAMES)} (k_scale is {first})")
+    fp8 = first == torch.uint8
+    if fp8:  # views: writes reach the caller's uint8 buffers
+        given.update({name: given[name].view(torch.float8_e4m3fn) for name in SCALE_NAMES})
     kv_heads, head_dim = given["k_sink"].shape[0], given["k_sink"].shape[-1]
     caps = (given["k_sink"].shape[1], given["k_recent"].shape[1], given["k_codes"].shape[1])
     feedback = k_feedback.numel() > 0
     # Uniform levels are a valid Lloyd-Max codebook; feedback rounding keeps them uniform (OscarConfig checks).
     config = OscarConfig(k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, k_clip=k_clip, v_clip=v_clip,
                          codebook="uniform" if feedback else "lloyd-max", sink=sink, recent=recent,
-                         k_rounding="feedback" if feedback else "nearest")
+                         k_rounding="feedback" if feedback else "nearest",
+                         scale_dtype="float8_e4m3fn" if fp8 else "float16")
     if capacities(config, sum(caps)) != caps:
         raise OscarInputError(f"cache capacities (sink, recent, body) = {caps}: expected "
                               f"{capacities(config, sum(caps))} for sink={sink}, recent={recent}")

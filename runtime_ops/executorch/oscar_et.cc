@@ -35,6 +35,10 @@ constexpr ScalarType kInputTypes[kInputs] = {
     ScalarType::Half,  ScalarType::Half, ScalarType::Byte, ScalarType::Half, ScalarType::Half,
     ScalarType::Byte,  ScalarType::Half, ScalarType::Half, ScalarType::Float, ScalarType::Float, ScalarType::Float};
 constexpr int kFeedback = 15;
+// k_scale, k_zero, v_scale, v_zero: Half, or Byte holding fp8 E4M3 bits (scale_dtype float8_e4m3fn), all four alike.
+constexpr int kScales[4] = {8, 9, 11, 12};
+
+bool is_scale(int i) { return i == 8 || i == 9 || i == 11 || i == 12; }
 
 const char* type_name(ScalarType t) {
   switch (t) {
@@ -66,9 +70,15 @@ std::string shape_string(const oscar::BufferShape& s) {
 std::string check(const Tensor* in[kInputs], const Tensor& length, Tensor& out, oscar::AttentionArgs& a) {
   for (int i = 0; i < kInputs; ++i) {
     const Tensor& t = *in[i];
-    if (t.scalar_type() != kInputTypes[i])
+    if (!is_scale(i) && t.scalar_type() != kInputTypes[i])
       return std::string("input '") + oscar::kBufferNames[i] + "' has dtype " + type_name(t.scalar_type()) +
              ": expected " + type_name(kInputTypes[i]);
+    const ScalarType scale_type = in[kScales[0]]->scalar_type();
+    if (is_scale(i) && ((t.scalar_type() != ScalarType::Half && t.scalar_type() != ScalarType::Byte) ||
+                        t.scalar_type() != scale_type))
+      return std::string("input '") + oscar::kBufferNames[i] + "' has dtype " + type_name(t.scalar_type()) +
+             ": expected float16, or uint8 (fp8 E4M3 bits), the same for k_scale, k_zero, v_scale and v_zero "
+             "(k_scale is " + type_name(scale_type) + ")";
     // An empty region (recent = 0, a cache without a body) carries whatever strides the program gave it.
     if (t.numel() > 0 && !executorch::runtime::tensor_is_contiguous(t))
       return std::string("input '") + oscar::kBufferNames[i] + "' is not contiguous: expected a dense tensor";
@@ -88,6 +98,8 @@ std::string check(const Tensor* in[kInputs], const Tensor& length, Tensor& out, 
             in[3]->size(1), in[5]->size(1), in[7]->size(1)};
   // K's error-feedback weights: [kv_heads, head_dim, head_dim], or an empty tensor for nearest rounding.
   a.config.k_rounding = in[kFeedback]->numel() > 0;
+  a.config.scale_dtype =
+      in[kScales[0]]->scalar_type() == ScalarType::Byte ? oscar::ScaleDtype::kFloat8E4M3 : oscar::ScaleDtype::kFloat16;
   oscar::BufferShape want[oscar::kNumBuffers];
   if (oscar::Status st = oscar::buffer_shapes(a.config, a.dims, want); !st.ok()) return st.error;
   for (int i = 0; i < kInputs; ++i) {
@@ -125,12 +137,13 @@ Tensor& attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& 
   a.pool_threads = max_threads.load(std::memory_order_relaxed);
   std::string error = check(in, length, out, a);
   if (error.empty()) {
-    auto f16 = [](const Tensor& t) { return static_cast<uint16_t*>(const_cast<void*>(t.const_data_ptr())); };
+    auto raw = [](const Tensor& t) { return const_cast<void*>(t.const_data_ptr()); };
+    auto f16 = [&](const Tensor& t) { return static_cast<uint16_t*>(raw(t)); };
     a.q = q.const_data_ptr<float>();
     a.k_new = f16(k_new), a.v_new = f16(v_new);
-    a.k = {f16(k_sink), f16(k_recent), k_codes.mutable_data_ptr<uint8_t>(), f16(k_scale), f16(k_zero),
+    a.k = {f16(k_sink), f16(k_recent), k_codes.mutable_data_ptr<uint8_t>(), raw(k_scale), raw(k_zero),
            k_levels.const_data_ptr<float>()};
-    a.v = {f16(v_sink), f16(v_recent), v_codes.mutable_data_ptr<uint8_t>(), f16(v_scale), f16(v_zero),
+    a.v = {f16(v_sink), f16(v_recent), v_codes.mutable_data_ptr<uint8_t>(), raw(v_scale), raw(v_zero),
            v_levels.const_data_ptr<float>()};
     a.k_feedback = k_feedback.const_data_ptr<float>();
     a.length = length.const_data_ptr<int64_t>()[0];

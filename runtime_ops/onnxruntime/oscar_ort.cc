@@ -33,6 +33,11 @@ constexpr ONNXTensorElementDataType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
 constexpr ONNXTensorElementDataType kInputTypes[kInputs] = {kF32, kF16, kF16, kF16, kF16, kF16, kF16, kU8,  kF16,
                                                             kF16, kU8,  kF16, kF16, kF32, kF32, kF32, kI64};
 constexpr int kFeedback = 15, kLength = 16;
+// k_scale, k_zero, v_scale, v_zero: float16, or uint8 holding fp8 E4M3 bits (scale_dtype float8_e4m3fn), all
+// four alike. Declared as any type, so the op checks them itself.
+constexpr int kScales[4] = {8, 9, 11, 12};
+
+bool is_scale(size_t i) { return i == 8 || i == 9 || i == 11 || i == 12; }
 
 const char* type_name(ONNXTensorElementDataType t) {
   switch (t) {
@@ -102,10 +107,18 @@ struct Kernel {
       const auto info = in.back().GetTensorTypeAndShapeInfo();
       // onnxruntime enforces the declared types first; checked again because a narrower
       // element type than expected would let the core read past the buffer.
-      if (info.GetElementType() != kInputTypes[i])
+      if (!is_scale(i) && info.GetElementType() != kInputTypes[i])
         return error(std::string("input '") + name + "' has dtype " + type_name(info.GetElementType()) + ": expected " +
                      type_name(kInputTypes[i]));
       shapes.push_back(info.GetShape());
+    }
+    const ONNXTensorElementDataType scale_type = in[kScales[0]].GetTensorTypeAndShapeInfo().GetElementType();
+    for (int i : kScales) {
+      const ONNXTensorElementDataType t = in[i].GetTensorTypeAndShapeInfo().GetElementType();
+      if ((t != kF16 && t != kU8) || t != scale_type)
+        return error(std::string("input '") + oscar::kBufferNames[i] + "' has dtype " + type_name(t) +
+                     ": expected float16, or uint8 (fp8 E4M3 bits), the same for k_scale, k_zero, v_scale and v_zero "
+                     "(k_scale is " + type_name(scale_type) + ")");
     }
     if (shapes[kLength].size() > 1 || in[kLength].GetTensorTypeAndShapeInfo().GetElementCount() != 1)
       return error("input 'length' has shape " + shape_string(shapes[kLength]) + ": expected [1]");
@@ -116,6 +129,7 @@ struct Kernel {
                      ": expected rank 3");
     oscar::AttentionArgs a;
     a.config = config;
+    a.config.scale_dtype = scale_type == kU8 ? oscar::ScaleDtype::kFloat8E4M3 : oscar::ScaleDtype::kFloat16;
     // K's error-feedback weights: [kv_heads, head_dim, head_dim], or an empty tensor for nearest rounding.
     a.config.k_rounding = in[kFeedback].GetTensorTypeAndShapeInfo().GetElementCount() > 0;
     a.dims = {shapes[0][0], shapes[1][0], shapes[0][1], shapes[0][2], shapes[3][1], shapes[5][1], shapes[7][1]};
@@ -129,13 +143,12 @@ struct Kernel {
                      ": expected " + shape_string(expected));
     }
     // The cache buffers are written in place (see the top of this file).
-    auto f16 = [&](int i) { return static_cast<uint16_t*>(const_cast<void*>(in[i].GetTensorRawData())); };
+    auto raw = [&](int i) { return const_cast<void*>(in[i].GetTensorRawData()); };
+    auto f16 = [&](int i) { return static_cast<uint16_t*>(raw(i)); };
     a.q = in[0].GetTensorData<float>();
     a.k_new = f16(1), a.v_new = f16(2);
-    a.k = {f16(3), f16(5), static_cast<uint8_t*>(const_cast<void*>(in[7].GetTensorRawData())), f16(8), f16(9),
-           in[13].GetTensorData<float>()};
-    a.v = {f16(4), f16(6), static_cast<uint8_t*>(const_cast<void*>(in[10].GetTensorRawData())), f16(11), f16(12),
-           in[14].GetTensorData<float>()};
+    a.k = {f16(3), f16(5), static_cast<uint8_t*>(raw(7)), raw(8), raw(9), in[13].GetTensorData<float>()};
+    a.v = {f16(4), f16(6), static_cast<uint8_t*>(raw(10)), raw(11), raw(12), in[14].GetTensorData<float>()};
     a.k_feedback = in[kFeedback].GetTensorData<float>();
     a.length = in[kLength].GetTensorData<int64_t>()[0];
     a.out = ctx.GetOutput(0, {a.dims.q_heads, a.dims.tokens, a.dims.head_dim}).GetTensorMutableData<float>();
@@ -148,7 +161,9 @@ struct Kernel {
 struct Op : Ort::CustomOpBase<Op, Kernel, true> {
   const char* GetName() const { return "OscarAttention"; }
   size_t GetInputTypeCount() const { return kInputs; }
-  ONNXTensorElementDataType GetInputType(size_t i) const { return kInputTypes[i]; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return is_scale(i) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED : kInputTypes[i];
+  }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return kF32; }
 

@@ -88,8 +88,16 @@ def test_wrong_dtype(golden_feeds, sessions):
     expect_error(session, dict(feeds, k_scale=feeds["k_scale"].astype(np.float32)),
                  r"Unexpected input data type.*float\).*expected.*float16")
     # Declared in the graph: refused when the session is created.
-    with pytest.raises(Exception, match="k_scale|[Tt]ype"):
-        sessions.get(ort_attributes(case), {"k_scale": TensorProto.FLOAT})
+    with pytest.raises(Exception, match="k_sink|[Tt]ype"):
+        sessions.get(ort_attributes(case), {"k_sink": TensorProto.FLOAT})
+    # The scales and zeros are declared as any type (float16, or uint8 for fp8 E4M3 bits): the op checks them.
+    session = sessions.get(ort_attributes(case), {"k_scale": TensorProto.FLOAT})
+    expect_error(session, dict(feeds, k_scale=feeds["k_scale"].astype(np.float32)),
+                 r"input 'k_scale' has dtype float32: expected float16, or uint8 \(fp8 E4M3 bits\)")
+    session = sessions.get(ort_attributes(case), {"v_zero": TensorProto.UINT8})
+    expect_error(session, dict(feeds, v_zero=feeds["v_zero"].view(np.uint8)[..., ::2].copy()),
+                 r"input 'v_zero' has dtype uint8: expected .* the same for k_scale, k_zero, v_scale and v_zero "
+                 r"\(k_scale is float16\)")
 
 
 def test_bad_attributes_fail_at_session_creation(golden_feeds, sessions):
