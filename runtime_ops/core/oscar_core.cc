@@ -736,6 +736,24 @@ Status check_finite_f16(const char* name, const uint16_t* x, int64_t count) {
   return {};
 }
 
+// A finite fp32 magnitude `a` (its bits) rounded to nearest even into a narrower float with `mantissa` bits whose
+// smallest normal has fp32 exponent field `min_exp`: the narrow format's bits. The caller handles overflow.
+uint32_t narrow_magnitude(uint32_t a, uint32_t min_exp, uint32_t mantissa) {
+  const uint32_t drop = 23 - mantissa;
+  uint32_t q, rem, mid;
+  if (a >= min_exp << 23) {  // normal: rebias the exponent, drop the low mantissa bits
+    const uint32_t r = a - ((min_exp - 1) << 23);
+    q = r >> drop, rem = r & ((1u << drop) - 1), mid = 1u << (drop - 1);
+  } else {  // subnormal: counts units of the smallest subnormal, the hidden bit made explicit
+    const uint32_t shift = drop + min_exp - (a >> 23);
+    if (shift > 24) return 0;  // below half the smallest subnormal
+    const uint32_t mant = (a & 0x7fffffu) | 0x800000u;
+    q = mant >> shift, rem = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
+  }
+  if (rem > mid || (rem == mid && (q & 1u))) ++q;  // a carry into the exponent is correct
+  return q;
+}
+
 }  // namespace
 
 uint16_t f32_to_f16(float x) {
@@ -745,18 +763,7 @@ uint16_t f32_to_f16(float x) {
   const uint32_t a = u & 0x7fffffffu;
   if (a >= 0x7f800000u) return uint16_t(sign | (a > 0x7f800000u ? 0x7e00u : 0x7c00u));  // NaN, inf
   if (a >= 0x47800000u) return uint16_t(sign | 0x7c00u);  // >= 65536: overflow
-  uint32_t half, rem, mid;
-  if (a >= 0x38800000u) {  // normal fp16: rebias the exponent, drop 13 mantissa bits
-    const uint32_t r = a - 0x38000000u;
-    half = r >> 13, rem = r & 0x1fffu, mid = 0x1000u;
-  } else {
-    if (a < 0x33000000u) return uint16_t(sign);  // below 2^-25: rounds to zero
-    const uint32_t e = a >> 23, mant = (a & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 126 - e;  // subnormal fp16 counts units of 2^-24
-    half = mant >> shift, rem = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
-  }
-  if (rem > mid || (rem == mid && (half & 1u))) ++half;  // a carry into the exponent is correct
-  return uint16_t(sign | half);
+  return uint16_t(sign | narrow_magnitude(a, 113, 10));  // smallest normal fp16 2^-14
 }
 
 float f16_to_f32(uint16_t h) {
@@ -785,19 +792,7 @@ uint8_t f32_to_e4m3(float x) {
   uint32_t u;
   std::memcpy(&u, &x, sizeof u);
   const uint32_t sign = (u >> 24) & 0x80u;
-  const uint32_t a = u & 0x7fffffffu;
-  uint32_t q, rem, mid;
-  if (a >= 0x3c800000u) {  // >= 2^-6, normal E4M3: rebias the exponent (127 -> 7), drop 20 mantissa bits
-    const uint32_t r = a - 0x3c000000u;
-    q = r >> 20, rem = r & 0xfffffu, mid = 0x80000u;
-  } else {
-    if (a < 0x3a800000u) return uint8_t(sign);  // below 2^-10: rounds to zero
-    const uint32_t e = a >> 23, mant = (a & 0x7fffffu) | 0x800000u;
-    const uint32_t shift = 141 - e;  // subnormal E4M3 counts units of 2^-9
-    q = mant >> shift, rem = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
-  }
-  if (rem > mid || (rem == mid && (q & 1u))) ++q;  // a carry into the exponent is correct
-  return uint8_t(sign | q);
+  return uint8_t(sign | narrow_magnitude(u & 0x7fffffffu, 121, 3));  // smallest normal E4M3 2^-6
 }
 
 float e4m3_to_f32(uint8_t b) {
