@@ -63,8 +63,7 @@ def _count(text: str) -> int:
 
 
 def add_cache_flags(p: argparse.ArgumentParser, scale_dtypes: bool = False) -> None:
-    """The cache format's flags; `scale_dtypes` adds --scale-dtype, for the commands that run the reference codec
-    (the exported op and its benchmarks store fp16 scales)."""
+    """The cache format's flags; `scale_dtypes` adds --scale-dtype, for the commands that store scales."""
     defaults = OscarConfig()
     g = p.add_argument_group("KV cache format")
     g.add_argument("--bits", type=int, choices=SUPPORTED_BITS,
@@ -90,7 +89,8 @@ def add_cache_flags(p: argparse.ArgumentParser, scale_dtypes: bool = False) -> N
         g.add_argument("--scale-dtype", choices=SCALE_DTYPES,
                        help=f"how each group's scale and zero are stored (default {defaults.scale_dtype}); "
                             "float8_e4m3fn: one byte each, a quarter bit per element less at group 64 (docs/format.md); "
-                            "exports take float16 only")
+                            "exports: android and laptop store either, ios and laptop's pure-ONNX fallback float16 "
+                            "only")
 
 
 def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = None) -> OscarConfig:
@@ -137,7 +137,7 @@ def export_parser(target) -> argparse.ArgumentParser:
     p.add_argument("--device-memory", default=target.options.device_memory,
                    help="memory for the manifest's plan (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the manifest")
-    add_cache_flags(p)
+    add_cache_flags(p, scale_dtypes=True)
     p.set_defaults(k_clip=None, v_clip=None)  # unset: a rotation file's clip ratios apply
     target.add_export_flags(p)
     return p

@@ -15,7 +15,9 @@ from .flags import (Parser, add_cache_flags, config_from_args, contexts, export_
 
 def export_target(argv: list[str]) -> int:
     """Run `oscar-export --target TARGET ...`; argv is the whole command line."""
+    from ..export.artifact import default_context
     from ..export.pipeline import export_artifact
+    from ..models import model_shape
 
     pre = Parser(prog="oscar-export", add_help=False)
     pre.add_argument("--target", choices=names())
@@ -26,12 +28,15 @@ def export_target(argv: list[str]) -> int:
         if missing:
             raise OscarInputError(f"this target cannot export here: {missing}")
         options = target.export_options(args)
+        fields = dict(k_bits=args.k_bits or args.bits, v_bits=args.v_bits or args.bits, cluster_dim=args.cluster_dim,
+                      k_clip=args.k_clip, v_clip=args.v_clip, sink=args.sink, recent=args.recent,
+                      k_rounding=args.k_rounding, scale_dtype=args.scale_dtype)
+        # Before a calibration that may take minutes: a layout the target cannot run is refused at once.
+        target.check(options, fields, default_context(model_shape(args.model), args.context))
         rotations, calibration = export_rotations(args)
         manifest = export_artifact(target, args.model, args.out, rotations=rotations, max_context=args.context,
                                    float_weights=args.float_weights, device_memory=args.device_memory,
-                                   options=options, k_bits=args.k_bits or args.bits, v_bits=args.v_bits or args.bits,
-                                   cluster_dim=args.cluster_dim, k_clip=args.k_clip, v_clip=args.v_clip,
-                                   sink=args.sink, recent=args.recent)
+                                   options=options, **fields)
     except (OscarInputError, RuntimeError) as err:  # RuntimeError: a native library could not be built
         print(f"oscar-export --target {target.name}: error: {err}".splitlines()[0], file=sys.stderr)
         return 2
@@ -191,5 +196,5 @@ def add_target_commands(sub) -> None:
                                                       "(llama-3-8b, ...), a local checkpoint or a .gguf file")
     p.add_argument("--threads", type=thread_count, help="threads for both (default or 0: every core)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_cache_flags(p)
+    add_cache_flags(p, scale_dtypes=True)
     p.set_defaults(func=cmd_bench)

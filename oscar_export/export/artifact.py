@@ -347,11 +347,17 @@ class GreedyLM:
         head at a time, so the state costs no more memory than the buffers it fills.
         """
         from ..codec import quantize
+        from ..ops.attention import BUFFER_SCALE_DTYPES
 
         cache = self.writable_cache()
         if self.length:
             raise OscarInputError("fill_synthetic: expected a fresh runner, before any step")
         rows = max(length - config.sink - config.recent, 0)
+        expected = np.dtype(str(BUFFER_SCALE_DTYPES[config.scale_dtype]).removeprefix("torch."))
+        for name, array in cache.items():
+            if name.endswith(("_scale", "_zero")) and array.dtype != expected:
+                raise OscarInputError(f"{name} is {array.dtype}: expected {expected} for "
+                                      f"scale_dtype={config.scale_dtype!r}, the config the state is written in")
         if not 0 < length <= self.max_context:
             raise OscarInputError(f"synthetic length {length}: expected 0 < length <= max_context = "
                                   f"{self.max_context}")
@@ -365,8 +371,10 @@ class GreedyLM:
                 for head in range(array.shape[0]):
                     x = torch.from_numpy(rng.standard_normal((rows, head_dim), dtype=np.float32))
                     one = config.layer(int(layer.removeprefix("layer")))  # its own K width and clip
-                    packed = quantize(x, one.bits(kind), one.cluster_dim, one.clip(kind))
+                    packed = quantize(x, one.bits(kind), one.cluster_dim, one.clip(kind), None, one.scale_dtype)
                     for part, values in zip(("codes", "scale", "zero"), packed):
+                        if values.dtype == torch.float8_e4m3fn:  # the buffers hold its bits
+                            values = values.view(torch.uint8)
                         cache[f"{layer}.{kind}_{part}"][head, :rows] = values.numpy()
         self.length = length
 

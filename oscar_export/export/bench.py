@@ -6,6 +6,7 @@ import os
 import time
 
 from ..config import OscarConfig, OscarInputError
+from ..ops.attention import BUFFER_SCALE_DTYPES
 
 COPY_BYTES = 256 << 20  # far past any cache level, as a long context's cache is
 
@@ -21,7 +22,19 @@ def check_bench_args(contexts, q_heads: int, kv_heads: int, head_dim: int, confi
         if context <= config.sink + config.recent:
             raise OscarInputError(f"--context {context}: expected more than sink + recent = "
                                   f"{config.sink + config.recent} tokens, so the packed body is used")
+    if config.scale_dtype not in BUFFER_SCALE_DTYPES:
+        raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected one of {tuple(BUFFER_SCALE_DTYPES)}, "
+                              "the scales the op stores")
     return config, threads or os.cpu_count()
+
+
+def stored_scales(x, scale_dtype: str):
+    """x (a float tensor) as the op's scale and zero buffers hold it: fp16, or fp8 E4M3 bits in uint8."""
+    import torch
+
+    if scale_dtype == "float8_e4m3fn":
+        return x.to(torch.float8_e4m3fn).view(torch.uint8)
+    return x.half()
 
 
 def copy_bandwidth(threads: int) -> float:

@@ -19,7 +19,7 @@ from ..cache import KINDS, check_rotation, capacities
 from ..codec import packed_bytes, uniform_levels
 from ..config import OscarConfig, OscarInputError
 from ..hf_cache import attention_shape, resolve_rotations
-from ..ops.attention import CACHE_NAMES
+from ..ops.attention import BUFFER_SCALE_DTYPES, CACHE_NAMES
 from ..rotations import hadamard_rotations
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -126,10 +126,9 @@ class OscarCausalLM(nn.Module):
         if isinstance(rotations, str) and rotations == "online":
             raise OscarInputError("rotations='online' estimates rotations from each prompt and cannot be exported: "
                                   "expected 'hadamard', 'none' or a rotation file (oscar-export calibrate)")
-        if config.scale_dtype != "float16":
-            raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected 'float16', the exported op's format "
-                                  "(a rotation file that calibrate --budget-bits chose with another --scale-dtype "
-                                  "carries it: calibrate with float16 scales to export)")
+        if config.scale_dtype not in BUFFER_SCALE_DTYPES:
+            raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected one of {tuple(BUFFER_SCALE_DTYPES)}, "
+                                  "the scale formats the exported op stores")
         layers, kv_heads, head_dim, _ = attention_shape(model)
         config.check_head_dim(head_dim)
         config.check_layers(layers)
@@ -187,6 +186,7 @@ class OscarCausalLM(nn.Module):
         h, d = self.kv_heads, self.head_dim
         s, w, b = capacities(self.config, max_context)
         g = d // self.config.cluster_dim
+        scales = BUFFER_SCALE_DTYPES[self.config.scale_dtype]
         spec = []
         for i, cfg in enumerate(self.config.layers(len(self.layers))):
             one = {}
@@ -194,8 +194,7 @@ class OscarCausalLM(nn.Module):
                 one[f"{kind}_sink"] = ((h, s, d), torch.float16)
                 one[f"{kind}_recent"] = ((h, w, d), torch.float16)
                 one[f"{kind}_codes"] = ((h, b, packed_bytes(d, cfg.bits(kind))), torch.uint8)
-                one[f"{kind}_scale"] = ((h, b, g), torch.float16)
-                one[f"{kind}_zero"] = ((h, b, g), torch.float16)
+                one[f"{kind}_scale"] = one[f"{kind}_zero"] = ((h, b, g), scales)
             spec += [(f"layer{i}.{name}", *one[name]) for name in CACHE_NAMES]
         return spec
 

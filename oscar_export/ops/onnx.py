@@ -15,7 +15,7 @@ import torch
 from onnx.defs import OpSchema
 
 from ..config import OscarInputError
-from .attention import ATTRIBUTES, CACHE_NAMES, INPUT_DTYPES
+from .attention import ATTRIBUTES, BUFFER_SCALE_DTYPES, CACHE_NAMES, INPUT_DTYPES, SCALE_NAMES
 
 DOMAIN = "oscar"
 OP = "OscarAttention"
@@ -31,12 +31,16 @@ def register_schema() -> None:
     """The op's ONNX schema, so onnxscript can emit it (the native library does its own checks)."""
     if onnx.defs.has(OP, DOMAIN):
         return
-    inputs = [OpSchema.FormalParameter(name, _ONNX_TYPES[dtype]) for name, dtype in INPUT_DTYPES]
+    # The scales and zeros: float16, or uint8 holding fp8 E4M3 bits (ops/attention.py BUFFER_SCALE_DTYPES).
+    inputs = [OpSchema.FormalParameter(name, "TScale" if name in SCALE_NAMES else _ONNX_TYPES[dtype])
+              for name, dtype in INPUT_DTYPES]
+    scale_types = [_ONNX_TYPES[dtype] for dtype in BUFFER_SCALE_DTYPES.values()]
     attributes = [OpSchema.Attribute(name, OpSchema.AttrType.FLOAT if name in ("k_clip", "v_clip", "scaling")
                                      else OpSchema.AttrType.INT) for name in ATTRIBUTES]
     onnx.defs.register_schema(OpSchema(OP, DOMAIN, 1, inputs=inputs,
                                        outputs=[OpSchema.FormalParameter("out", "tensor(float)")],
-                                       attributes=attributes))
+                                       attributes=attributes,
+                                       type_constraints=[("TScale", scale_types, "scale and zero storage")]))
 
 
 def translate(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes, k_scale, k_zero, v_codes, v_scale,
@@ -70,6 +74,12 @@ def make_fallback(model: onnx.ModelProto) -> onnx.ModelProto:
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         shapes = {name: [d.dim_value for d in inputs[cache[i]].type.tensor_type.shape.dim]
                   for i, name in enumerate(CACHE_NAMES)}
+        for i, name in enumerate(CACHE_NAMES):
+            elem = inputs[cache[i]].type.tensor_type.elem_type
+            if name in SCALE_NAMES and elem != onnx.TensorProto.FLOAT16:
+                raise OscarInputError(f"{cache[i]} is {onnx.TensorProto.DataType.Name(elem).lower()}: expected float16, "
+                                      "the only scales the pure-ONNX fallback stores (fp8 ones, scale_dtype "
+                                      "float8_e4m3fn, run on the native op)")
         # The layer's error-feedback weights, empty for nearest rounding: the function is specialised to either.
         shapes["k_feedback"] = _static_shape(graph, node.input[feedback_at])
         key = json.dumps([attrs, shapes], sort_keys=True)

@@ -59,7 +59,8 @@ def test_plan_table_and_cache_flags():
         (["plan", "--model", "bundled", "--cluster-dim", "128"], "cluster_dim=128 does not divide head_dim=64"),
         (["plan", "--k-clip", "2"], "k_clip=2.0"),
         (["plan", "--scale-dtype", "int8"], "--scale-dtype"),
-        (["--target", "laptop", "--scale-dtype", "float8_e4m3fn"], "unrecognized arguments: --scale-dtype"),
+        (["--target", "laptop", "--scale-dtype", "float8"], "--scale-dtype: invalid choice"),
+        (["--target", "ios", "--scale-dtype", "float8_e4m3fn"], "scale_dtype='float8_e4m3fn': expected 'float16'"),
         (["report", "--text", "/no/such/file.txt"], "text file '/no/such/file.txt'"),
     ],
 )
@@ -161,6 +162,18 @@ def test_head_dim_32_exports_with_no_flag(head_dim_32_checkpoint, tmp_path):
             "--out", str(tmp_path / "artifact"), "--json")
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(r.stdout)["config"]["cluster_dim"] == 32
+
+
+@pytest.mark.skipif(not ort_op_buildable(), reason="the laptop export needs cmake, g++ and ONNX Runtime headers")
+def test_export_takes_the_rounding_and_scale_flags(head_dim_32_checkpoint, tmp_path):
+    """--k-rounding and --scale-dtype reach the artifact's config over the calibration's choice, and fp8 scales
+    leave out the pure-ONNX fallback graph, which stores float16 ones only."""
+    r = run("--target", "laptop", "--model", str(head_dim_32_checkpoint), "--context", "256", "--float-weights",
+            "--k-rounding", "nearest", "--scale-dtype", "float8_e4m3fn", "--out", str(tmp_path / "artifact"), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    manifest = json.loads(r.stdout)
+    assert manifest["config"]["k_rounding"] == "nearest" and manifest["config"]["scale_dtype"] == "float8_e4m3fn"
+    assert "model.onnx" in manifest["files"] and "model_fallback.onnx" not in manifest["files"]
 
 
 # Every subcommand with bad inputs: one error line, exit 2, no traceback (in-process, so it is quick).

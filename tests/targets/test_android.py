@@ -295,10 +295,12 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
         assert needle in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
 
 
-def test_bench_attention_json(capsys):
+@pytest.mark.parametrize("scale_dtype", ["float16", "float8_e4m3fn"])
+def test_bench_attention_json(capsys, scale_dtype):
     assert main(["bench", "attention", "--runtime", "executorch", "--context", "1024", "--threads", "1",
-                 "--json"]) == 0
+                 "--scale-dtype", scale_dtype, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["config"]["scale_dtype"] == scale_dtype  # and the bytes read below count its scales
     (x,) = report["results"]
     assert x["context"] == 1024 and report["threads"] == 1
     assert x["oscar_ms"] > 0 and x["baseline_ms"] > 0 and x["int8_ms"] > 0
@@ -307,13 +309,20 @@ def test_bench_attention_json(capsys):
     check_step_traffic(report, int8=True)
 
 
-def test_per_layer_key_bits_run_in_executorch(tmp_path, prompt, tokenizer):
-    """K's width per layer (calibrate --budget-bits may choose it): each layer's kernel call and buffers take
-    their own width, and the program gives the eager module's tokens and, up to counted rounding, its codes."""
-    mixed = dict(CONFIG, k_bits_by_layer=(2, 3, 4, 2), k_clip_by_layer=(1.0, 0.9, 1.0, 0.8))
+@pytest.mark.parametrize("scale_dtype", ["float16", "float8_e4m3fn"])
+def test_per_layer_key_bits_run_in_executorch(tmp_path, prompt, tokenizer, scale_dtype):
+    """K's width per layer and fp8 scales (calibrate --budget-bits may choose both): each layer's kernel call and
+    buffers take their own width, and the program gives the eager module's tokens and, up to counted rounding,
+    its codes and scale bits."""
+    mixed = dict(CONFIG, k_bits_by_layer=(2, 3, 4, 2), k_clip_by_layer=(1.0, 0.9, 1.0, 0.8), scale_dtype=scale_dtype)
     manifest = export_artifact("android", "bundled", tmp_path / "mixed", "hadamard", CONTEXT, float_weights=True,
                                **mixed)
-    assert manifest["config"]["k_bits_by_layer"] == [2, 3, 4, 2]
+    assert manifest["config"]["k_bits_by_layer"] == [2, 3, 4, 2] and manifest["config"]["scale_dtype"] == scale_dtype
+    from executorch.extension.pybindings import portable_lib
+
+    meta = portable_lib._load_program(str(tmp_path / "mixed" / MODEL_FILE)).method_meta("forward")
+    held = sum(meta.attribute_tensor_meta(i).nbytes() for i in range(meta.num_attributes()))
+    assert held == manifest["plan"]["kv_bytes"]  # the planner counts each layer's width and one-byte fp8 scales
     module = OscarCausalLM(load_model("bundled")[0], OscarConfig(**mixed), "hadamard").eval()
     assert EtLM(tmp_path / "mixed", threads=1).generate(prompt, 16) == greedy(module, torch.tensor([prompt]), 16,
                                                                              CONTEXT)
@@ -325,5 +334,18 @@ def test_per_layer_key_bits_run_in_executorch(tmp_path, prompt, tokenizer):
     got = {"layer" + name[len("cache."):]: array for name, array in lm.cache_arrays().items()}
     want = {name: t.numpy() for (name, _, _), t in zip(module.cache_spec(CONTEXT), cache)}
     assert got["layer2.k_codes"].shape[-1] == 64 * 4 // 8  # 4-bit K in layer 2
+    assert got["layer0.v_zero"].itemsize == (1 if scale_dtype == "float8_e4m3fn" else 2)
     counts = layer_body_mismatches(got, want, mixed["k_bits_by_layer"], 2, PROMPT - WINDOWS["sink"] - WINDOWS["recent"])
     assert_within_bounds(counts, "executorch")
+    # bench memory's synthetic state in this format decodes as the eager module does on copies of it.
+    lm = EtLM(tmp_path / "mixed", threads=1)
+    lm.fill_synthetic(CONTEXT - 5, OscarConfig(**mixed), np.random.default_rng(2))
+    state = lm.cache_arrays()
+    cache = [torch.from_numpy(state[f"cache.{layer}.{name}"].copy()) for layer in range(4) for name in CACHE_NAMES]
+    with torch.no_grad():
+        want = module(torch.tensor([[7]]), torch.tensor([CONTEXT - 5]), *cache)[0, -1].numpy()
+    assert np.abs(lm.step([7]) - want).max() <= 1e-3 * np.abs(want).max()
+    other = "float16" if scale_dtype == "float8_e4m3fn" else "float8_e4m3fn"  # not the artifact's format
+    with pytest.raises(OscarInputError, match=f"for scale_dtype='{other}'"):
+        EtLM(tmp_path / "mixed", threads=1).fill_synthetic(CONTEXT - 5, OscarConfig(**dict(mixed, scale_dtype=other)),
+                                                           np.random.default_rng(2))

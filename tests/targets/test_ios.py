@@ -280,6 +280,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
                          (["--target", "ios", "--rotations", "online"], "online"),
                          (["--target", "ios", "--context", "300", "--out", str(tmp_path / "a")], "no packed body"),
                          (["--target", "ios", "--recent", "0", "--out", str(tmp_path / "b")], "--recent 0"),
+                         (["--target", "ios", "--scale-dtype", "float8_e4m3fn", "--out", str(tmp_path / "c")],
+                          "scale_dtype='float8_e4m3fn': expected 'float16'"),
                          (["parity", "--artifact", str(tmp_path)], "manifest.json")]:
         assert main(args) == 2, args
         err = capsys.readouterr().err

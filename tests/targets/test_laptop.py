@@ -21,10 +21,13 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto  # noqa: E402
 
 from oscar_export.cli import main  # noqa: E402
-from oscar_export.config import OscarConfig  # noqa: E402
+from oscar_export.config import OscarConfig, OscarInputError  # noqa: E402
 from oscar_export.export.graph import CACHE_NAMES, OscarCausalLM, greedy  # noqa: E402
 from oscar_export.export.pipeline import export_artifact  # noqa: E402
-from oscar_export.ops.onnx import DOMAIN, OP  # noqa: E402
+from oscar_export.ops.onnx import DOMAIN, OP, make_fallback  # noqa: E402
+from oscar_export.parity import run_artifact_parity  # noqa: E402
+from oscar_export.targets import get  # noqa: E402
+from oscar_export.targets.laptop.onnx_export import FALLBACK_FILE, MODEL_FILE  # noqa: E402
 from oscar_export.targets.laptop.ort_runner import OrtLM  # noqa: E402
 from oscar_export.hf_cache import OscarCache, patch_model_for_kv_quant  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
@@ -204,10 +207,12 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
 
 
 @needs_native
-def test_bench_attention_json(capsys):
+@pytest.mark.parametrize("scale_dtype", ["float16", "float8_e4m3fn"])
+def test_bench_attention_json(capsys, scale_dtype):
     assert main(["bench", "attention", "--runtime", "onnxruntime", "--context", "1024,2048", "--threads", "1",
-                 "--json"]) == 0
+                 "--scale-dtype", scale_dtype, "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["config"]["scale_dtype"] == scale_dtype  # and the bytes read below count its scales
     assert [x["context"] for x in report["results"]] == [1024, 2048]
     for x in report["results"]:
         assert x["oscar_ms"] > 0 and x["baseline_ms"] > 0
@@ -345,13 +350,25 @@ def test_a_saved_trace_checks_the_runtimes_elsewhere(float_artifact, tmp_path, c
 
 
 @needs_native
-def test_per_layer_key_bits_run_in_onnx_runtime(tmp_path, prompt):
-    """K's width per layer (calibrate --budget-bits may choose it): each layer's op and buffers take their own
-    width, and both runtimes give the eager module's tokens and, up to counted rounding, its codes."""
-    mixed = dict(CONFIG, k_bits_by_layer=(2, 3, 4, 2), k_clip_by_layer=(1.0, 0.9, 1.0, 0.8))
+@pytest.mark.parametrize("scale_dtype", ["float16", "float8_e4m3fn"])
+def test_per_layer_key_bits_run_in_onnx_runtime(tmp_path, prompt, scale_dtype):
+    """K's width per layer and fp8 scales (calibrate --budget-bits may choose both): each layer's op and buffers
+    take their own width, and the runtimes give the eager module's tokens and, up to counted rounding, its codes
+    and scale bits. fp8 scales have no pure-ONNX fallback: the artifact says so, it does not fail later."""
+    mixed = dict(CONFIG, k_bits_by_layer=(2, 3, 4, 2), k_clip_by_layer=(1.0, 0.9, 1.0, 0.8), scale_dtype=scale_dtype)
     manifest = export_artifact("laptop", "bundled", tmp_path / "mixed", "hadamard", CONTEXT, float_weights=True,
                                **mixed)
-    assert manifest["config"]["k_bits_by_layer"] == [2, 3, 4, 2]
+    assert manifest["config"]["k_bits_by_layer"] == [2, 3, 4, 2] and manifest["config"]["scale_dtype"] == scale_dtype
+    fp8 = scale_dtype == "float8_e4m3fn"
+    assert (tmp_path / "mixed" / FALLBACK_FILE).exists() != fp8
+    if fp8:
+        with pytest.raises(OscarInputError, match="float16, the only scales the pure-ONNX fallback stores"):
+            make_fallback(onnx.load(tmp_path / "mixed" / MODEL_FILE, load_external_data=False))
+        with pytest.raises(OscarInputError, match="float8_e4m3fn scales.*expected --runtime onnxruntime"):
+            get("laptop").runner(tmp_path / "mixed", manifest, "onnx-fallback", 1)
+        report = run_artifact_parity(tmp_path / "mixed", prompt[:40], 4)
+        assert report["ok"] and set(report["runtimes"]) == {"onnxruntime"}
+        assert "float16 ones only" in report["unavailable"]["onnx-fallback"]
     module = OscarCausalLM(load_model("bundled")[0], OscarConfig(**mixed), "hadamard").eval()
     tokens = greedy(module, torch.tensor([prompt]), 16, CONTEXT)
     cache = module.new_cache(CONTEXT)
@@ -359,12 +376,13 @@ def test_per_layer_key_bits_run_in_onnx_runtime(tmp_path, prompt):
         module(torch.tensor([prompt]), torch.zeros(1, dtype=torch.int64), *cache)
     want = {name: t.numpy() for (name, _, _), t in zip(module.cache_spec(CONTEXT), cache)}
     body = PROMPT - WINDOWS["sink"] - WINDOWS["recent"]
-    for runtime in ("onnxruntime", "onnx-fallback"):
+    for runtime in ("onnxruntime",) if fp8 else ("onnxruntime", "onnx-fallback"):
         assert OrtLM(tmp_path / "mixed", runtime, threads=1).generate(prompt, 16) == tokens, runtime
         lm = OrtLM(tmp_path / "mixed", runtime, threads=1)
         lm.prefill(prompt)
         got = lm.cache_arrays()
         assert got["layer2.k_codes"].shape[-1] == 64 * 4 // 8  # 4-bit K in layer 2
+        assert got["layer0.v_zero"].itemsize == (1 if fp8 else 2)
         counts = layer_body_mismatches(got, want, mixed["k_bits_by_layer"], 2, body)
         assert_within_bounds(counts, runtime)
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ...config import OscarConfig
-from ...export.bench import add_traffic, check_bench_args, copy_bandwidth
+from ...export.bench import add_traffic, check_bench_args, copy_bandwidth, stored_scales
 from ...ops.attention import CACHE_NAMES
 
 MIN_SECONDS, MIN_RUNS = 0.5, 10
@@ -117,10 +117,10 @@ def oscar_step(config: OscarConfig, context: int, q_heads: int, kv_heads: int, h
         if region == "codes":
             size = (kv_heads, b, packed_bytes(head_dim, config.bits(kind)))
             cache[name] = torch.randint(0, 256, size, generator=gen, dtype=torch.uint8)
+        elif region in ("sink", "recent"):
+            cache[name] = (torch.randn(kv_heads, s if region == "sink" else w, head_dim, generator=gen) * 0.1).half()
         else:
-            rows = {"sink": s, "recent": w}.get(region, b)
-            cache[name] = (torch.randn(kv_heads, rows, head_dim if region in ("sink", "recent") else groups,
-                                       generator=gen) * 0.1).half()
+            cache[name] = stored_scales(torch.randn(kv_heads, b, groups, generator=gen) * 0.1, config.scale_dtype)
     levels = {kind: torch.arange(2 ** config.bits(kind), dtype=torch.float32) for kind in ("k", "v")}
     # K's error-feedback weights (the appended row's rounding), of calibration's size; empty: nearest.
     feedback = (torch.triu(torch.randn(kv_heads, head_dim, head_dim, generator=gen) * 0.3, 1)

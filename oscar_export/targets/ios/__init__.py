@@ -69,9 +69,10 @@ class IosTarget(Target):
     float_weights_help = "keep fp16 weights (default: 4-bit, coremltools.optimize linear quantization)"
 
     def check(self, options, config_fields, max_context):
-        from .coreml import check_layout
+        from .coreml import check_layout, check_scale_dtype
 
         defaults = OscarConfig()
+        check_scale_dtype(config_fields.get("scale_dtype") or defaults.scale_dtype)
         check_layout(defaults.sink if config_fields.get("sink") is None else config_fields["sink"],
                      defaults.recent if config_fields.get("recent") is None else config_fields["recent"], max_context)
 

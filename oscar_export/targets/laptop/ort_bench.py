@@ -12,12 +12,13 @@ import time
 
 import numpy as np
 import onnxruntime as ort
+import torch
 from onnx import TensorProto, helper
 
 from ...cache import capacities
 from ...codec import packed_bytes
 from ...config import OscarConfig
-from ...export.bench import add_traffic, check_bench_args, copy_bandwidth
+from ...export.bench import add_traffic, check_bench_args, copy_bandwidth, stored_scales
 from ...ops.attention import ATTRIBUTES, CACHE_NAMES, INPUTS
 from ...ops.onnx import DOMAIN, OP
 
@@ -76,14 +77,17 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
         feeds = {"q": rng.standard_normal((q_heads, 1, head_dim), dtype=np.float32)}
         for name in ("k_new", "v_new"):
             feeds[name] = rng.standard_normal((kv_heads, 1, head_dim)).astype(np.float16)
-        shapes = {"sink": (s, head_dim), "recent": (w, head_dim), "scale": (b, groups), "zero": (b, groups)}
         for name in CACHE_NAMES:
             kind, region = name.split("_")
             if region == "codes":
                 size = (kv_heads, b, packed_bytes(head_dim, config.bits(kind)))
                 feeds[name] = rng.integers(0, 256, size, dtype=np.uint8)
+            elif region in ("sink", "recent"):
+                rows = s if region == "sink" else w
+                feeds[name] = (rng.standard_normal((kv_heads, rows, head_dim)) * 0.1).astype(np.float16)
             else:
-                feeds[name] = (rng.standard_normal((kv_heads, *shapes[region])) * 0.1).astype(np.float16)
+                x = torch.from_numpy(rng.standard_normal((kv_heads, b, groups), dtype=np.float32) * 0.1)
+                feeds[name] = stored_scales(x, config.scale_dtype).numpy()
         for kind in ("k", "v"):
             feeds[f"{kind}_levels"] = np.arange(2 ** config.bits(kind), dtype=np.float32)
         # K's error-feedback weights (the appended row's rounding), of calibration's size; empty: nearest.
