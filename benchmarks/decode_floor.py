@@ -41,10 +41,11 @@ def mac_rates(exe: Path, repeats: int = 20) -> dict:
     return json.loads(subprocess.run([str(exe), str(repeats)], check=True, capture_output=True, text=True).stdout)
 
 
-def step_ms(bench: Path, shape: tuple, context: int, cluster_dim: int, steps: int) -> dict:
+def step_ms(bench: Path, shape: tuple, context: int, cluster_dim: int, steps: int, scale_dtype: int = 0) -> dict:
+    """One thread's decode step of the core (oscar_decode_bench); scale_dtype 0: fp16 scales, 1: fp8 E4M3."""
     q, kv, d = shape
-    out = subprocess.run([str(bench), str(q), str(kv), str(d), str(context), "1", str(cluster_dim), "0", str(steps)],
-                         check=True, capture_output=True, text=True)
+    out = subprocess.run([str(bench), str(q), str(kv), str(d), str(context), "1", str(cluster_dim), "0", str(steps),
+                          str(scale_dtype)], check=True, capture_output=True, text=True)
     line = (out.stdout + out.stderr).strip().splitlines()[-1]
     match = BENCH_LINE.search(line)
     if match is None:

@@ -333,6 +333,25 @@ void avx2_load_f16(const uint16_t* src, int64_t n, float* dst) {
   for (; i < n; ++i) dst[i] = _cvtsh_ss(src[i]);
 }
 
+// E4M3 -> fp16 in integers, 16 bytes at a time: a normal value's exponent is rebiased by 8 (15 - 7) in place;
+// the seven subnormals (m * 2^-9) are fp16 normals whose high bytes a shuffle looks up (their low bytes are 0).
+void avx2_widen_e4m3(const uint8_t* src, int64_t n, uint16_t* dst) {
+  const __m128i subnormal_high = _mm_setr_epi8(0x00, 0x18, 0x1c, 0x1e, 0x20, 0x21, 0x22, 0x23, 0, 0, 0, 0, 0, 0, 0, 0);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m128i mag8 = _mm_and_si128(b, _mm_set1_epi8(0x7f));
+    const __m256i mag = _mm256_cvtepu8_epi16(mag8);
+    const __m256i normal = _mm256_add_epi16(_mm256_slli_epi16(mag, 7), _mm256_set1_epi16(0x2000));
+    const __m256i subnormal = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_shuffle_epi8(subnormal_high, mag8)), 8);
+    __m256i w = _mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi16(_mm256_set1_epi16(8), mag));
+    w = _mm256_blendv_epi8(w, _mm256_set1_epi16(0x7e00), _mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)));
+    const __m256i sign = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_and_si128(b, _mm_set1_epi8(char(0x80)))), 8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_or_si256(w, sign));
+  }
+  kScalarKernels.widen_e4m3(src + i, n - i, dst + i);
+}
+
 // Four rows at a time, so each load of the query feeds four FMA chains.
 void avx2_dots(const float* q, const float* x, int n, int64_t d, float* s) {
   int j = 0;
@@ -389,7 +408,8 @@ void avx2_axpys(float* acc, const float* w, const float* x, int n, int64_t d) {
 
 }  // namespace
 
-const BodyKernels kAvx2Kernels = {avx2_scores,   avx2_values, avx2_scale_max, avx2_exp_sum,
-                                  avx2_load_f16, avx2_dots,   avx2_axpys,     avx2_prepare, "avx2"};
+const BodyKernels kAvx2Kernels = {avx2_scores,   avx2_values,     avx2_scale_max, avx2_exp_sum,
+                                  avx2_load_f16, avx2_widen_e4m3, avx2_dots,      avx2_axpys,
+                                  avx2_prepare,  "avx2"};
 
 }  // namespace oscar

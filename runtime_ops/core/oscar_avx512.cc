@@ -309,12 +309,14 @@ float avx512_scale_max(float* s, int n, float scaling) {
 // The AVX2 set's fp16-window kernels, called through its table at run time (a table entry copied
 // here would be initialized in an order no one controls).
 void avx512_load_f16(const uint16_t* src, int64_t n, float* dst) { kAvx2Kernels.load_f16(src, n, dst); }
+void avx512_widen_e4m3(const uint8_t* src, int64_t n, uint16_t* dst) { kAvx2Kernels.widen_e4m3(src, n, dst); }
 void avx512_dots(const float* q, const float* x, int n, int64_t d, float* s) { kAvx2Kernels.dots(q, x, n, d, s); }
 void avx512_axpys(float* acc, const float* w, const float* x, int n, int64_t d) { kAvx2Kernels.axpys(acc, w, x, n, d); }
 
 }  // namespace
 
-const BodyKernels kAvx512Kernels = {avx512_scores,   avx512_values, avx512_scale_max, avx512_exp_sum,
-                                    avx512_load_f16, avx512_dots,   avx512_axpys,     avx512_prepare, "avx512"};
+const BodyKernels kAvx512Kernels = {avx512_scores,   avx512_values,             avx512_scale_max, avx512_exp_sum,
+                                    avx512_load_f16, avx512_widen_e4m3,        avx512_dots,      avx512_axpys,
+                                    avx512_prepare,  "avx512"};
 
 }  // namespace oscar

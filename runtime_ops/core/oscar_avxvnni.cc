@@ -174,6 +174,7 @@ void avxvnni_values(const BodyView& b, int64_t row0, int n, const float* p, int 
 float avxvnni_scale_max(float* s, int n, float scaling) { return kAvx2Kernels.scale_max(s, n, scaling); }
 float avxvnni_exp_sum(float* s, int n, float m) { return kAvx2Kernels.exp_sum(s, n, m); }
 void avxvnni_load_f16(const uint16_t* src, int64_t n, float* dst) { kAvx2Kernels.load_f16(src, n, dst); }
+void avxvnni_widen_e4m3(const uint8_t* src, int64_t n, uint16_t* dst) { kAvx2Kernels.widen_e4m3(src, n, dst); }
 void avxvnni_dots(const float* q, const float* x, int n, int64_t d, float* s) { kAvx2Kernels.dots(q, x, n, d, s); }
 void avxvnni_axpys(float* acc, const float* w, const float* x, int n, int64_t d) {
   kAvx2Kernels.axpys(acc, w, x, n, d);
@@ -181,8 +182,8 @@ void avxvnni_axpys(float* acc, const float* w, const float* x, int n, int64_t d)
 
 }  // namespace
 
-const BodyKernels kAvxVnniKernels = {avxvnni_scores,   avxvnni_values, avxvnni_scale_max, avxvnni_exp_sum,
-                                     avxvnni_load_f16, avxvnni_dots,   avxvnni_axpys,     avxvnni_prepare,
-                                     "avxvnni"};
+const BodyKernels kAvxVnniKernels = {avxvnni_scores,   avxvnni_values,            avxvnni_scale_max, avxvnni_exp_sum,
+                                     avxvnni_load_f16, avxvnni_widen_e4m3,        avxvnni_dots,      avxvnni_axpys,
+                                     avxvnni_prepare,  "avxvnni"};
 
 }  // namespace oscar

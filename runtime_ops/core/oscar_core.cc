@@ -366,7 +366,8 @@ struct Layer {
   // The view the fused kernels read body rows [r0, r0 + n) of KV head h through, with the row they start
   // at in it: fp16 scales in place (row r0); fp8 ones widened into `widened` (2 n G values, the rows'
   // scales then zeros; row 0), so every kernel set reads fp16 bits either way.
-  BodyView block(const Kind& k, int64_t h, int64_t r0, int n, uint16_t* widened, int64_t& row0) const {
+  BodyView block(const Kind& k, int64_t h, int64_t r0, int n, uint16_t* widened, int64_t& row0,
+                 const BodyKernels& kernels) const {
     const uint8_t* codes = k.cache.codes + h * body_cap * k.code_bytes;
     if (scale_dtype == ScaleDtype::kFloat16) {
       row0 = r0;
@@ -374,10 +375,8 @@ struct Layer {
                       static_cast<const uint16_t*>(zero_at(k, h, 0)), k.levels, k.bits, int(D), a.config.cluster_dim,
                       int(G)};
     }
-    const uint16_t* table = e4m3_to_f16_table();
-    const uint8_t* s8 = static_cast<const uint8_t*>(scale_at(k, h, r0));
-    const uint8_t* z8 = static_cast<const uint8_t*>(zero_at(k, h, r0));
-    for (int64_t i = 0; i < n * G; ++i) widened[i] = table[s8[i]], widened[n * G + i] = table[z8[i]];
+    kernels.widen_e4m3(static_cast<const uint8_t*>(scale_at(k, h, r0)), n * G, widened);
+    kernels.widen_e4m3(static_cast<const uint8_t*>(zero_at(k, h, r0)), n * G, widened + n * G);
     row0 = 0;
     return BodyView{codes + r0 * k.code_bytes, widened, widened + n * G, k.levels, k.bits, int(D),
                     a.config.cluster_dim, int(G)};
@@ -513,14 +512,14 @@ struct Layer {
     if (windows) dense(0, sink_end());
     if (row_from < row_to) {
       int64_t row0;
-      kernels.prepare(block(kind[0], h, row_from, 0, widened, row0), q, int(group), prepared);
+      kernels.prepare(block(kind[0], h, row_from, 0, widened, row0, kernels), q, int(group), prepared);
       for (int64_t r0 = row_from; r0 < row_to; r0 += kBodyBlock) {
         const int n = int(std::min<int64_t>(kBodyBlock, row_to - r0));
-        const BodyView kbody = block(kind[0], h, r0, n, widened, row0);
+        const BodyView kbody = block(kind[0], h, r0, n, widened, row0, kernels);
         kernels.scores(kbody, row0, n, q, qsum, int(group), s, prepared);
         for (int64_t hh = 0; hh < group; ++hh)
           softmax_block(kernels, a.config.scaling, s + hh * n, n, m[hh], l[hh], acc + hh * D, D);
-        const BodyView vbody = block(kind[1], h, r0, n, widened, row0);
+        const BodyView vbody = block(kind[1], h, r0, n, widened, row0, kernels);
         kernels.values(vbody, row0, n, s, int(group), acc, weights);
       }
     }
@@ -1080,7 +1079,13 @@ void scalar_axpys(float* acc, const float* w, const float* x, int n, int64_t d) 
 
 void no_prepare(const BodyView&, const float*, int, void*) {}
 
-const BodyKernels kScalarKernels = {scalar_scores,  scalar_values,   scalar_scale_max, scalar_exp_sum,
-                                    scalar_load_f16, scalar_dots,    scalar_axpys,     no_prepare, "scalar"};
+void scalar_widen_e4m3(const uint8_t* src, int64_t n, uint16_t* dst) {
+  const uint16_t* table = e4m3_to_f16_table();
+  for (int64_t i = 0; i < n; ++i) dst[i] = table[src[i]];
+}
+
+const BodyKernels kScalarKernels = {scalar_scores,   scalar_values,     scalar_scale_max, scalar_exp_sum,
+                                    scalar_load_f16, scalar_widen_e4m3, scalar_dots,      scalar_axpys,
+                                    no_prepare,      "scalar"};
 
 }  // namespace oscar

@@ -42,6 +42,8 @@ struct BodyKernels {
   // The fp16 windows and the dense path, over n rows x[j * d .. j * d + d) in fp32:
   // dst[i] = src[i] as fp32; s[j] = q . row j; acc += sum_j w[j] * row j.
   void (*load_f16)(const uint16_t* src, int64_t n, float* dst);
+  // fp8 scales and zeros: dst[i] = the fp16 bits of E4M3 value src[i] (exact; NaN bytes give fp16 NaN).
+  void (*widen_e4m3)(const uint8_t* src, int64_t n, uint16_t* dst);
   void (*dots)(const float* q, const float* x, int n, int64_t d, float* s);
   void (*axpys)(float* acc, const float* w, const float* x, int n, int64_t d);
   // Query set-up done once per call rather than per block: writes kPreparedBytes per head

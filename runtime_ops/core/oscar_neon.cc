@@ -487,6 +487,29 @@ void neon_axpys(float* acc, const float* w, const float* x, int n, int64_t d) {
   }
 }
 
+// E4M3 -> fp16 in integers, 16 bytes at a time: a normal value's exponent is rebiased by 8 (15 - 7) in place;
+// the seven subnormals (m * 2^-9) are fp16 normals whose high bytes a table lookup gives (their low bytes are 0).
+void neon_widen_e4m3(const uint8_t* src, int64_t n, uint16_t* dst) {
+  static const uint8_t kSubnormalHigh[16] = {0x00, 0x18, 0x1c, 0x1e, 0x20, 0x21, 0x22, 0x23};
+  const uint8x16_t subnormal_high = vld1q_u8(kSubnormalHigh);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const uint8x16_t b = vld1q_u8(src + i);
+    const uint8x16_t mag8 = vandq_u8(b, vdupq_n_u8(0x7f)), sign8 = vandq_u8(b, vdupq_n_u8(0x80));
+    const uint8x16_t sub8 = vqtbl1q_u8(subnormal_high, mag8);
+    const uint16x8_t mags[2] = {vmovl_u8(vget_low_u8(mag8)), vmovl_high_u8(mag8)};
+    const uint16x8_t subs[2] = {vshll_n_u8(vget_low_u8(sub8), 8), vshll_high_n_u8(sub8, 8)};
+    const uint16x8_t signs[2] = {vshll_n_u8(vget_low_u8(sign8), 8), vshll_high_n_u8(sign8, 8)};
+    for (int half = 0; half < 2; ++half) {
+      const uint16x8_t normal = vaddq_u16(vshlq_n_u16(mags[half], 7), vdupq_n_u16(0x2000));
+      uint16x8_t w = vbslq_u16(vcltq_u16(mags[half], vdupq_n_u16(8)), subs[half], normal);
+      w = vbslq_u16(vceqq_u16(mags[half], vdupq_n_u16(0x7f)), vdupq_n_u16(0x7e00), w);
+      vst1q_u16(dst + i + 8 * half, vorrq_u16(w, signs[half]));
+    }
+  }
+  kScalarKernels.widen_e4m3(src + i, n - i, dst + i);
+}
+
 }  // namespace
 
 #if !defined(OSCAR_NEON_KERNELS)
@@ -497,7 +520,8 @@ void neon_axpys(float* acc, const float* w, const float* x, int n, int64_t d) {
 #else
 #define OSCAR_NEON_NAME "neon"
 #endif
-const BodyKernels OSCAR_NEON_KERNELS = {neon_scores,   neon_values, neon_scale_max, neon_exp_sum, neon_load_f16,
-                                        neon_dots,     neon_axpys,  neon_prepare,   OSCAR_NEON_NAME};
+const BodyKernels OSCAR_NEON_KERNELS = {neon_scores,   neon_values,     neon_scale_max, neon_exp_sum,
+                                        neon_load_f16, neon_widen_e4m3, neon_dots,      neon_axpys,
+                                        neon_prepare,  OSCAR_NEON_NAME};
 
 }  // namespace oscar

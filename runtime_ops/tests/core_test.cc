@@ -256,6 +256,41 @@ void test_fp8() {
       {0x1.ep-7f, 0x08},       {0x1p-6f, 0x08},           {-0.0f, 0x80},                 {-2.5f, 0xc2},
       {1e-30f, 0x00},          {0.0f, 0x00}};
   for (const auto& c : cases) EXPECT(f32_to_e4m3(c.x) == c.b, "f32_to_e4m3(%a) = %02x, expected %02x", c.x, f32_to_e4m3(c.x), c.b);
+
+  // Every kernel set this CPU runs widens every byte (NaN ones included) to the same fp16 bits, from an
+  // unaligned start and with a tail shorter than a vector.
+  std::vector<const BodyKernels*> sets = {&kScalarKernels};
+#if defined(OSCAR_HAVE_AVX2)
+  sets.push_back(&kAvx2Kernels);
+#endif
+#if defined(OSCAR_HAVE_AVXVNNI)
+  sets.push_back(&kAvxVnniKernels);
+#endif
+#if defined(OSCAR_HAVE_AVX512)
+  sets.push_back(&kAvx512Kernels);
+#endif
+#if defined(__aarch64__)
+  sets.push_back(&kNeonKernels);
+#endif
+#if defined(OSCAR_HAVE_NEON_DOTPROD)
+  sets.push_back(&kNeonDotprodKernels);
+#endif
+  std::vector<uint8_t> bytes(3 + 256 + 13);
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = uint8_t(i * 37 + 11);  // 37 is odd: every byte appears
+  const int64_t n = int64_t(bytes.size()) - 3;
+  int widened = 0;
+  for (const BodyKernels* set : sets) {
+    if (set != &kScalarKernels && simd_kernel_sets().find(set->name) == std::string::npos) continue;
+    std::vector<uint16_t> out(size_t(n), 0xdead);
+    set->widen_e4m3(bytes.data() + 3, n, out.data());
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t b = bytes[size_t(i) + 3];
+      EXPECT(out[size_t(i)] == f32_to_f16(e4m3_to_f32(b)), "%s widens E4M3 %02x to %04x, expected %04x", set->name,
+             b, out[size_t(i)], f32_to_f16(e4m3_to_f32(b)));
+    }
+    ++widened;
+  }
+  std::printf("fp8: %d kernel set(s) widen every E4M3 byte exactly\n", widened);
 }
 
 // The integer score path at its bound (oscar_kernels.h, SplitQuery): a query of equal elements gives
