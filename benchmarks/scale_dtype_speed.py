@@ -6,12 +6,14 @@ by side, one thread, 2-bit K/V, group 64, per shape.
 Each round runs oscar_decode_bench once per scale dtype and shape, so the two alternate on the same machine and a
 busy neighbour slows both; a dtype's time is the best p10 over the rounds. fp8 scales are widened to fp16 a
 256-row block at a time (docs/kernels.md), then the same kernel runs: the ratio is that widening's cost against
-the quarter bit per element it saves. Writes benchmarks/results/scale_dtype_speed.json (--out).
+the quarter bit per element it saves. OSCAR_SIMD=avx2 times another kernel set. Writes
+benchmarks/results/scale_dtype_speed.json (--out).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -52,7 +54,8 @@ def main() -> None:
                      "context": args.context, "runs": best[name], "fp8_over_fp16": ratio})
         print(f"| {name} ({shape[0]} / {shape[1]}, {shape[2]}) | {fp16['kernel']} | {fp16['p10_ms']:.3f} | "
               f"{fp8['p10_ms']:.3f} | {ratio:.2f}x |")
-    result = {"command": "nice -n 10 .venv/bin/python benchmarks/scale_dtype_speed.py " + " ".join(sys.argv[1:]),
+    simd = f"OSCAR_SIMD={os.environ['OSCAR_SIMD']} " if os.environ.get("OSCAR_SIMD") else ""
+    result = {"command": f"{simd}nice -n 10 .venv/bin/python benchmarks/scale_dtype_speed.py " + " ".join(sys.argv[1:]),
               "machine": f"{where}; one thread", "rounds": args.rounds, "steps": args.steps, "cluster_dim": 64,
               "rows": rows}
     write_result(args.out, result)
