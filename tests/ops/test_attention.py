@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from oscar_export.ops.attention import CACHE_NAMES, INPUT_DTYPES, INPUTS
+from oscar_export.ops.attention import BUFFER_SCALE_DTYPES, CACHE_NAMES, INPUT_DTYPES, INPUTS, SCALE_NAMES
 
 SOURCES = Path(__file__).resolve().parents[2] / "runtime_ops"
 ORT_TYPES = {"kF32": torch.float32, "kF16": torch.float16, "kU8": torch.uint8, "kI64": torch.int64}
@@ -47,4 +47,9 @@ def test_the_onnx_schema_is_built_from_the_table():
     assert [p.name for p in schema.inputs] == list(INPUTS)
     want = {torch.float32: "tensor(float)", torch.float16: "tensor(float16)", torch.uint8: "tensor(uint8)",
             torch.int64: "tensor(int64)"}
-    assert [p.type_str for p in schema.inputs] == [want[dtype] for _, dtype in INPUT_DTYPES]
+    # The scales and zeros share one type variable: float16, or uint8 holding fp8 E4M3 bits.
+    assert [p.type_str for p in schema.inputs] == ["TScale" if name in SCALE_NAMES else want[dtype]
+                                                   for name, dtype in INPUT_DTYPES]
+    (constraint,) = schema.type_constraints
+    assert constraint.type_param_str == "TScale"
+    assert sorted(constraint.allowed_type_strs) == sorted(want[d] for d in BUFFER_SCALE_DTYPES.values())
