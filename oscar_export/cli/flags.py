@@ -30,6 +30,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def noise_runs(text: str) -> int:
+    """--noise-runs: 0 (fixed limits only) up to 16 jittered reference runs."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: expected 0..16") from None
+    if not 0 <= value <= 16:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: expected 0..16")
+    return value
+
+
 def thread_count(text: str) -> int:
     """--threads: 0 (the runtime's default) up to four per core; more only thrashes, and huge counts hang."""
     limit = 4 * (os.cpu_count() or 1)

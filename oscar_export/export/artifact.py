@@ -306,12 +306,16 @@ def eager_module(directory, manifest: dict):
     return OscarCausalLM(model, config_for(resolved, **manifest["config"]), resolved).eval()
 
 
-def eager_trace(module, ids: list[int], steps: int, max_context: int, max_chunk: int, eos=(), device="cpu") -> dict:
+def eager_trace(module, ids: list[int], steps: int, max_context: int, max_chunk: int, eos=(), device="cpu",
+                forced=None) -> dict:
     """Greedy run of the eager graph (graph.OscarCausalLM, in-place cache): the reference of parity.
 
     Returns the greedy `tokens`, the logits of each step (the prefill's last position, then each
-    decode step's) and the packed body `codes` by cache name.
+    decode step's) and the packed body `codes` by cache name. forced: tokens fed instead of its own
+    picks, as GreedyLM.trace takes them.
     """
+    if forced is not None:
+        steps = min(steps, len(forced))
     cache = [t.to(device) for t in module.new_cache(max_context)]
     length, tokens, logits = torch.zeros(1, dtype=torch.int64, device=device), [], []
     with torch.no_grad():
@@ -322,12 +326,13 @@ def eager_trace(module, ids: list[int], steps: int, max_context: int, max_chunk:
         for _ in range(steps):
             logits.append(step[0, -1].float().cpu().numpy().copy())
             tokens.append(int(step[0, -1].argmax()))
-            if tokens[-1] in eos or len(tokens) == steps:
+            fed = tokens[-1] if forced is None else int(forced[len(tokens) - 1])
+            if fed in eos or len(tokens) == steps:
                 break
-            step = module(torch.tensor([[tokens[-1]]], device=device), length, *cache)
+            step = module(torch.tensor([[fed]], device=device), length, *cache)
             length += 1
     names = [name for name, _, _ in module.cache_spec(max_context)]
-    return {"tokens": tokens, "logits": logits,
+    return {"tokens": tokens, "logits": logits, "forced": forced is not None,
             "codes": {name: t.cpu().numpy() for name, t in zip(names, cache) if name.endswith("_codes")}}
 
 

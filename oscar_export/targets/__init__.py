@@ -114,6 +114,12 @@ class Target:
         """Limits of parity --artifact that this artifact's weights loosen (parity.ARTIFACT_THRESHOLDS otherwise)."""
         return {}
 
+    def rounds_activations(self, manifest: dict) -> bool:
+        """Whether the artifact's matmuls quantize their activations on the fly: rounding is a step function, so
+        float differences upstream flip codes and compound over the layers, and parity --artifact then measures
+        how far the reference moves from itself (parity.noise_floor)."""
+        return False
+
     def decode_profile(self, directory: Path, manifest: dict, runtime: str, ids: list[int], steps: int,
                        threads: int) -> dict | None:
         """Where a decode step goes on `runtime` after prefilling `ids`: {"step_wall_ms", "ops": {op type:

@@ -78,9 +78,12 @@ class LaptopTarget(Target):
         # The K/V entering the op then differ by more than ties, as on android; with K feedback rounding one
         # flipped code also moves the later channels' codes of its vector (bundled, 100 prompt tokens, sink 16:
         # 1.2e-3 native, 7.1e-4 fallback).
-        if "int8 activations" not in manifest["weights"]:
+        if not self.rounds_activations(manifest):
             return {}
         return {"logits_max_rel_error": 1e-1, "codes_mismatch_fraction": 5e-3}
+
+    def rounds_activations(self, manifest):
+        return "int8 activations" in manifest["weights"]
 
     def runner(self, directory, manifest, runtime, threads):
         from .ort_runner import OrtLM
