@@ -315,13 +315,12 @@ def _fallback_missing() -> str | None:
     return _not_importable("onnxruntime", "onnx")
 
 
-def _fallback_session(case: Case):
-    """One OscarAttentionFunctional node (through make_fallback) for a case's cache layout."""
-    import onnxruntime as ort
+def op_model(case: Case):
+    """One OscarAttention node for a case's cache layout, as the laptop export writes it."""
     from onnx import TensorProto, helper
 
     from oscar_export.ops.attention import INPUTS
-    from oscar_export.ops.onnx import DOMAIN, OP, make_fallback
+    from oscar_export.ops.onnx import DOMAIN, OP
 
     cache = case.empty_cache()
     types = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
@@ -334,8 +333,16 @@ def _fallback_session(case: Case):
                             cluster_dim=cfg.cluster_dim, sink=cfg.sink, recent=cfg.recent, k_clip=cfg.k_clip,
                             v_clip=cfg.v_clip, scaling=case.scaling)
     graph = helper.make_graph([node], "one", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
-    model = make_fallback(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20),
-                                                                  helper.make_opsetid(DOMAIN, 1)]))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(DOMAIN, 1)])
+
+
+def _fallback_session(case: Case):
+    """One OscarAttentionFunctional node (through make_fallback) for a case's cache layout."""
+    import onnxruntime as ort
+
+    from oscar_export.ops.onnx import make_fallback
+
+    model = make_fallback(op_model(case))
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -377,6 +384,6 @@ BACKENDS = (
               options=dict(append=append), new_cache=_triton_cache, final=_triton_final)
       for append, cases in (("reference", TRITON_CASES[0::2]), ("triton", NEAREST[1::2]))),
     Backend("coreml-rows", _coreml_attend, 1e-4),
-    Backend("onnx-fallback", _fallback_attend, 1e-4, missing=_fallback_missing),
+    Backend("onnx-fallback", _fallback_attend, 1e-4, cases=tuple(OP_GOLDEN), missing=_fallback_missing),
 )
 BACKEND = {backend.name: backend for backend in BACKENDS}

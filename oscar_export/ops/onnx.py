@@ -15,7 +15,7 @@ import torch
 from onnx.defs import OpSchema
 
 from ..config import OscarInputError
-from .attention import ATTRIBUTES, BUFFER_SCALE_DTYPES, CACHE_NAMES, INPUT_DTYPES, SCALE_NAMES
+from .attention import ATTRIBUTES, BUFFER_SCALE_DTYPES, CACHE_NAMES, INPUT_DTYPES, INPUTS, SCALE_NAMES
 
 DOMAIN = "oscar"
 OP = "OscarAttention"
@@ -59,8 +59,9 @@ def translate(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes, k_sc
 
 def make_fallback(model: onnx.ModelProto) -> onnx.ModelProto:
     """The native graph with every OscarAttention node replaced by an OscarAttentionFunctional function, one
-    function per distinct attribute set and cache layout (layers differ in K's width and clip when
-    k_bits_by_layer is set): OscarAttentionFunctional, then OscarAttentionFunctional_1, ..."""
+    function per distinct attribute set, cache layout and scale storage (float16, or uint8 fp8 bits; layers
+    differ in K's width and clip when k_bits_by_layer is set): OscarAttentionFunctional, then
+    OscarAttentionFunctional_1, ..."""
     graph = model.graph
     inputs = {v.name: v for v in graph.input}
     nodes = [n for n in graph.node if n.domain == DOMAIN and n.op_type == OP]
@@ -71,22 +72,23 @@ def make_fallback(model: onnx.ModelProto) -> onnx.ModelProto:
     feedback_at = 3 + len(CACHE_NAMES) + 2  # after the cache buffers and the levels
     for node in nodes:
         cache = list(node.input[3:3 + len(CACHE_NAMES)])
+        buffer = {name: inputs[value].type.tensor_type for name, value in zip(CACHE_NAMES, cache)}
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        shapes = {name: [d.dim_value for d in inputs[cache[i]].type.tensor_type.shape.dim]
-                  for i, name in enumerate(CACHE_NAMES)}
-        for i, name in enumerate(CACHE_NAMES):
-            elem = inputs[cache[i]].type.tensor_type.elem_type
-            if name in SCALE_NAMES and elem != onnx.TensorProto.FLOAT16:
-                raise OscarInputError(f"{cache[i]} is {onnx.TensorProto.DataType.Name(elem).lower()}: expected float16, "
-                                      "the only scales the pure-ONNX fallback stores (fp8 ones, scale_dtype "
-                                      "float8_e4m3fn, run on the native op)")
+        shapes = {name: [d.dim_value for d in t.shape.dim] for name, t in buffer.items()}
+        elems = sorted({buffer[name].elem_type for name in SCALE_NAMES})
+        if len(elems) != 1 or elems[0] not in _FALLBACK_SCALES:
+            named = ", ".join(onnx.TensorProto.DataType.Name(e).lower() for e in elems)
+            raise OscarInputError(f"{node.name or node.output[0]}: scales and zeros of type {named}: expected all "
+                                  "float16 or all uint8 (fp8 E4M3 bits), the scales the pure-ONNX fallback stores")
+        scale_dtype = _FALLBACK_SCALES[elems[0]]
         # The layer's error-feedback weights, empty for nearest rounding: the function is specialised to either.
         shapes["k_feedback"] = _static_shape(graph, node.input[feedback_at])
-        key = json.dumps([attrs, shapes], sort_keys=True)
+        key = json.dumps([attrs, shapes, scale_dtype], sort_keys=True)
         if key not in variants:
             name = FALLBACK_OP if not variants else f"{FALLBACK_OP}_{len(variants)}"
             variants[key] = name
-            model.functions.append(ir.serde.serialize_function(_fallback_function(attrs, shapes, opset, name)))
+            function = _fallback_function(attrs, shapes, scale_dtype, opset, name)
+            model.functions.append(ir.serde.serialize_function(function))
         node.op_type = variants[key]
         node.output.extend(f"{name}.next" for name in cache)
         for name in cache:
@@ -112,13 +114,59 @@ def _static_shape(graph: onnx.GraphProto, name: str) -> list[int]:
                           f"of fixed shape")
 
 
-def _fallback_function(attrs: dict, shapes: dict, opset: int, name: str = FALLBACK_OP) -> ir.Function:
-    """OscarAttentionFunctional specialised to one cache layout; the math of docs/format.md sections 3-6."""
+# fp8 E4M3 scales and zeros travel as their uint8 bits. Opset 20 has no BitCast, so bits -> value is a table of
+# all 256 (0x7F and 0xFF are NaN) and value -> bits counts the midpoints below |x|: both exact, as the midpoints
+# of neighbours with 4 significant bits have at most 5.
+_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+_E4M3_TOP = 126  # the bits of 448, the largest finite magnitude
+_E4M3_MIDS = ((_E4M3[:_E4M3_TOP].double() + _E4M3[1:_E4M3_TOP + 1].double()) / 2).float()
+# A tie at the midpoint above an odd code goes up, to the even one; -1 never equals |x|.
+_E4M3_ODD_MIDS = torch.where(torch.arange(_E4M3_TOP) % 2 == 1, _E4M3_MIDS, -1.0)
+_FALLBACK_SCALES = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.UINT8: "float8_e4m3fn"}
+
+
+def e4m3_values(op, bits):
+    """uint8 E4M3 bits -> fp32 values."""
+    return op.Gather(_constant(op, _E4M3), op.Cast(bits, to=ir.DataType.INT64), axis=0)
+
+
+def e4m3_bits(op, x):
+    """fp32 -> uint8 E4M3 bits, rounded to nearest, ties to even, as torch's cast; the sign of a zero kept. Past
+    448 (and for NaN) the bits of NaN, where the reference refuses the values: the output shows it."""
+    i64 = ir.DataType.INT64
+    mag = op.Abs(x)
+    wide = op.Unsqueeze(mag, [-1])
+
+    def count(hits):
+        return op.ReduceSum(op.Cast(hits, to=i64), [-1], keepdims=0)
+
+    code = op.Add(count(op.Greater(wide, _constant(op, _E4M3_MIDS))),
+                  count(op.Equal(wide, _constant(op, _E4M3_ODD_MIDS))))
+    code = op.Where(op.LessOrEqual(mag, float(_E4M3[_E4M3_TOP])), code, 127)
+    negative = op.Less(op.Div(1.0, x), 0.0)  # -0 too: 1 / -0 = -inf
+    return op.Cast(op.Add(op.Mul(op.Cast(negative, to=i64), 128), code), to=ir.DataType.UINT8)
+
+
+def _constant(op, values: torch.Tensor):
+    return op.Constant(value=ir.tensor(values.numpy()))
+
+
+def _fallback_function(attrs: dict, shapes: dict, scale_dtype: str, opset: int,
+                       name: str = FALLBACK_OP) -> ir.Function:
+    """OscarAttentionFunctional specialised to one cache layout and scale storage (float16, or float8_e4m3fn as
+    uint8 bits); the math of docs/format.md sections 3-6."""
     heads, s_cap, d = shapes["k_sink"]
     w_cap, b_cap = shapes["k_recent"][1], shapes["k_codes"][1]
     sink, recent, cd = attrs["sink"], attrs["recent"], attrs["cluster_dim"]
     groups = d // cd
     f32, f16, i64 = ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.INT64
+    fp8 = scale_dtype == "float8_e4m3fn"
+
+    def widen(op, stored):
+        return e4m3_values(op, stored) if fp8 else op.Cast(stored, to=f32)
+
+    def narrow(op, x):
+        return e4m3_bits(op, x) if fp8 else op.Cast(x, to=f16)
 
     def dequantize(op, codes, scale, zero, levels, bits):
         """Packed body rows -> fp32 [heads, rows, D]: every 8 codes are one `bits`-byte little-endian word."""
@@ -126,11 +174,11 @@ def _fallback_function(attrs: dict, shapes: dict, opset: int, name: str = FALLBA
         word = op.ReduceSum(op.Mul(byte, [256**k for k in range(bits)]), [-1], keepdims=1)
         code = op.Mod(op.Div(word, [2 ** (bits * j) for j in range(8)]), 2**bits)
         values = op.Gather(levels, op.Reshape(code, [heads, b_cap, groups, cd]), axis=0)
-        scale, zero = (op.Unsqueeze(op.Cast(x, to=f32), [-1]) for x in (scale, zero))
+        scale, zero = (op.Unsqueeze(widen(op, x), [-1]) for x in (scale, zero))
         return op.Reshape(op.Add(zero, op.Mul(scale, values)), [heads, b_cap, d])
 
     def quantize(op, x, bits, clip, levels, feedback=None):
-        """fp32 [heads, n, D] -> packed codes uint8, scale fp16, zero fp16 (n >= 1). feedback [heads, D, D]: the
+        """fp32 [heads, n, D] -> packed codes uint8, scale and zero as stored (n >= 1). feedback [heads, D, D]: the
         codes with error feedback (format.md section 3, step 5), channel by channel."""
         top = 2**bits - 1
         g = op.Reshape(x, [heads, -1, groups, cd])
@@ -138,9 +186,8 @@ def _fallback_function(attrs: dict, shapes: dict, opset: int, name: str = FALLBA
         if clip < 1.0:
             mid, half = op.Mul(op.Add(hi, lo), 0.5), op.Mul(op.Sub(hi, lo), 0.5 * clip)  # clip is fp32: exact
             lo, hi = op.Sub(mid, half), op.Add(mid, half)
-        scale, zero = op.Cast(op.Div(op.Sub(hi, lo), float(top)), to=f16), op.Cast(lo, to=f16)
-        s32 = op.Unsqueeze(op.Cast(scale, to=f32), [-1])
-        z32 = op.Unsqueeze(op.Cast(zero, to=f32), [-1])
+        scale, zero = narrow(op, op.Div(op.Sub(hi, lo), float(top))), narrow(op, lo)
+        s32, z32 = (op.Unsqueeze(widen(op, x), [-1]) for x in (scale, zero))
         thresholds = op.Mul(op.Add(op.Slice(levels, [0], [top]), op.Slice(levels, [1], [top + 1])), 0.5)
 
         def codes_of(value, s, z):
@@ -243,5 +290,7 @@ def _fallback_function(attrs: dict, shapes: dict, opset: int, name: str = FALLBA
         # A region without slots passes its (empty) buffer through.
         return (out, *(updated[name] if name in updated else op.Identity(cache[name]) for name in CACHE_NAMES))
 
-    inputs = [ir.Value(name=name, type=ir.TensorType(_IR_TYPES[dtype])) for name, dtype in INPUT_DTYPES]
+    types = {name: _IR_TYPES[BUFFER_SCALE_DTYPES[scale_dtype] if name in SCALE_NAMES else dtype]
+             for name, dtype in INPUT_DTYPES}
+    inputs = [ir.Value(name=name, type=ir.TensorType(types[name])) for name in INPUTS]
     return onnxscript.build_function(body, inputs, domain=DOMAIN, name=name, opset_imports={"": opset})

@@ -88,14 +88,7 @@ class LaptopTarget(Target):
     def runner(self, directory, manifest, runtime, threads):
         from .ort_runner import OrtLM
 
-        if runtime == "onnx-fallback" and (why := _no_fallback(manifest)):
-            raise OscarInputError(f"--runtime onnx-fallback: {why}; expected --runtime onnxruntime")
         return OrtLM(directory, runtime, threads, manifest["max_chunk"])
-
-    def trace(self, directory, manifest, runtime, ids, steps, forced=None):
-        if runtime == "onnx-fallback" and (why := _no_fallback(manifest)):
-            return {"skipped": why}
-        return super().trace(directory, manifest, runtime, ids, steps, forced)
 
     def decode_profile(self, directory, manifest, runtime, ids, steps, threads):
         from .ort_profile import profile_decode
@@ -162,16 +155,6 @@ class LaptopTarget(Target):
             print(f"  context {r['context']:>7}: OSCAR {r['oscar_ms']:.3f} ms, fp32 baseline {r['baseline_ms']:.3f} ms, "
                   f"speed-up {r['speedup']:.2f}x")
             print(f"  {'':>15}OSCAR {traffic_text(r, 'oscar')}; fp32 {traffic_text(r, 'baseline')}")
-
-
-def _no_fallback(manifest: dict) -> str | None:
-    """Why the artifact has no pure-ONNX fallback graph, or None."""
-    from .onnx_export import has_fallback
-
-    scale_dtype = manifest["config"].get("scale_dtype", "float16")
-    if has_fallback(scale_dtype):
-        return None
-    return f"the artifact stores {scale_dtype} scales and the pure-ONNX fallback float16 ones only"
 
 
 def _int8_blocks(x: torch.Tensor, block: int) -> torch.Tensor:

@@ -8,8 +8,8 @@ only output is `logits`.
 model_fallback.onnx: the same graph and weights (it reads model.onnx.data) for a stock ONNX
 Runtime without the native library. Each node becomes `oscar.OscarAttentionFunctional`, an ONNX
 function of standard ops (ops/onnx.py); standard ops cannot write their inputs, so it returns the updated
-buffers as outputs `layer{i}.k_sink.next` ... and the host feeds them back. It stores float16 scales
-only: an artifact with fp8 ones (scale_dtype float8_e4m3fn) has no fallback graph.
+buffers as outputs `layer{i}.k_sink.next` ... and the host feeds them back. It stores the artifact's
+scales: float16, or fp8 E4M3 bits as uint8 (scale_dtype float8_e4m3fn).
 
 Weights are 4-bit by default (ONNX Runtime's MatMulNBits quantizer; the lm_head 8-bit; activations
 quantized to int8 per block on the fly) with fp16 embedding tables, float with float_weights.
@@ -36,7 +36,7 @@ MODEL_FILE, DATA_FILE, FALLBACK_FILE = "model.onnx", "model.onnx.data", "model_f
 
 def export_onnx(module: OscarCausalLM, directory: Path, max_context: int, max_chunk: int = 512,
                 float_weights: bool = False, weight_block: int = 32, weights=None) -> list[Path]:
-    """Write model.onnx, model.onnx.data and (has_fallback) model_fallback.onnx into an existing directory; 4-bit weights
+    """Write model.onnx, model.onnx.data and model_fallback.onnx into an existing directory; 4-bit weights
     have a scale per weight_block input channels. weights: name -> tensor for a module built on the meta
     device (export/streamed.py), None when the module holds its weights.
 
@@ -79,17 +79,9 @@ def export_onnx(module: OscarCausalLM, directory: Path, max_context: int, max_ch
         _artifact_weights(model, weight_block)
     model_path = directory / MODEL_FILE
     ir.save(model, model_path, external_data=DATA_FILE)
-    if not has_fallback(module.config.scale_dtype):
-        return [model_path, directory / DATA_FILE]
     fallback = make_fallback(onnx.load(model_path, load_external_data=False))
     onnx.save(fallback, directory / FALLBACK_FILE)  # initializers keep pointing at model.onnx.data
     return [model_path, directory / DATA_FILE, directory / FALLBACK_FILE]
-
-
-def has_fallback(scale_dtype: str) -> bool:
-    """Whether an artifact of this scale_dtype carries model_fallback.onnx: the pure-ONNX op stores float16
-    scales only."""
-    return scale_dtype == "float16"
 
 
 def _optimize(model: ir.Model) -> None:
