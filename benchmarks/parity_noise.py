@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from oscar_export.export.pipeline import reference_trace  # noqa: E402
+from oscar_export.export.artifact import eager_trace  # noqa: E402
+from oscar_export.export.pipeline import reference_module  # noqa: E402
 from oscar_export.parity import noise_floor  # noqa: E402
 from oscar_export.report import read_tokens  # noqa: E402
 
@@ -36,10 +37,11 @@ def main() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(args.artifact, local_files_only=True)
     ids = read_tokens(tokenizer, None, args.prompt_tokens)[0].tolist()
-    reference = reference_trace(args.artifact, ids, args.steps)
+    module, manifest = reference_module(args.artifact)
+    reference = eager_trace(module, manifest, ids, args.steps)
     rows = []
     for eps in (float(e) for e in args.eps.split(",")):
-        floor = noise_floor(args.artifact, ids, args.steps, reference, args.runs, eps)
+        floor = noise_floor(module, manifest, ids, args.steps, reference, args.runs, eps)
         rows.append(floor)
         runs = ", ".join(f"{r['logits_max_rel_error']:.3f} / {r['codes_mismatch_fraction']:.2e}" for r in floor["runs"])
         print(f"eps {eps:g}: logits / codes per run: {runs}", flush=True)

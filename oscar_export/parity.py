@@ -296,16 +296,14 @@ NOISE_RUNS = 3  # the CLI's --noise-runs default
 NOISE_FACTOR = 2.0
 
 
-def noise_floor(directory, ids: list[int], steps: int, reference: dict, runs: int = NOISE_RUNS,
+def noise_floor(module, manifest: dict, ids: list[int], steps: int, reference: dict, runs: int = NOISE_RUNS,
                 eps: float = NOISE_EPS) -> dict:
-    """How far the artifact's reference moves from `reference` when its attention outputs are jittered by a
-    relative `eps` (seeds 0 .. runs-1): each run's logits and codes drift, and the widest of each."""
+    """How far the artifact's reference module (export/pipeline.reference_module) moves from `reference` when its
+    attention outputs are jittered by a relative `eps` (seeds 0 .. runs-1): each run's logits and codes drift, and
+    the widest of each."""
     from .export.artifact import eager_trace
     from .export.graph import OscarDecoderLayer
-    from .export.pipeline import open_artifact
 
-    directory, manifest, target = open_artifact(directory)
-    module = target.artifact_module(directory, manifest)
     projections = [m.o_proj for m in module.modules() if isinstance(m, OscarDecoderLayer)]
     drift = []
     for seed in range(runs):
@@ -317,8 +315,7 @@ def noise_floor(directory, ids: list[int], steps: int, reference: dict, runs: in
 
         hooks = [p.register_forward_pre_hook(jitter, prepend=True) for p in projections]  # before any rounding
         try:
-            got = eager_trace(module, ids, steps, manifest["max_context"], manifest["max_chunk"],
-                              manifest["eos_token_ids"], forced=reference["tokens"])
+            got = eager_trace(module, manifest, ids, steps, forced=reference["tokens"])
         finally:
             for hook in hooks:
                 hook.remove()
@@ -332,22 +329,24 @@ def run_artifact_parity(directory, ids: list[int], steps: int, against=None, noi
     """Every runtime of the artifact's target that runs here against the reference on the same prompt: the eager
     graph with the artifact's own weights (export/pipeline.reference_trace), run now, or `against`, a trace file
     recorded elsewhere with save_trace (then its prompt and steps apply)."""
-    from .export.pipeline import open_artifact, reference_trace
+    from .export.artifact import eager_trace
+    from .export.pipeline import open_artifact
     from .targets import REFERENCE
 
     directory, manifest, target = open_artifact(directory)
-    if against is not None:
+    if against is not None:  # checked before the model loads
         ids, steps, reference, metadata = load_trace(against, manifest)
         source = f"trace {against} ({metadata['device_name']}, torch {metadata['torch']})"
-    else:
-        reference = reference_trace(directory, ids, steps)
+    module = target.artifact_module(directory, manifest)  # built once: the reference, its noise floor, `against`
+    if against is None:
+        reference = eager_trace(module, manifest, ids, steps)
         source = "eager graph.OscarCausalLM with the artifact's weights (PyTorch, here)"
     unavailable = dict(target.unavailable_runtimes())
     limits = {**ARTIFACT_THRESHOLDS, **target.parity_limits(manifest)}
     tie_limit = limits["logits_max_rel_error"]  # a near tie stays what the fixed limit calls one
     floor = None
     if noise_runs and target.rounds_activations(manifest):
-        floor = noise_floor(directory, ids, steps, reference, noise_runs)
+        floor = noise_floor(module, manifest, ids, steps, reference, noise_runs)
         limits = {key: max(limit, NOISE_FACTOR * floor[key]) for key, limit in limits.items()}
     report = {
         "artifact": str(directory),
@@ -367,7 +366,7 @@ def run_artifact_parity(directory, ids: list[int], steps: int, against=None, noi
         runtimes = {REFERENCE: "eager graph with the artifact's weights (PyTorch, here)", **runtimes}
     for name, how in runtimes.items():
         if name == REFERENCE:
-            got = reference_trace(directory, ids, steps)
+            got = eager_trace(module, manifest, ids, steps)
         else:
             got = target.trace(directory, manifest, name, ids, steps, forced=reference["tokens"])
         if "skipped" in got:  # this prompt cannot be given to this runtime

@@ -306,14 +306,15 @@ def eager_module(directory, manifest: dict):
     return OscarCausalLM(model, config_for(resolved, **manifest["config"]), resolved).eval()
 
 
-def eager_trace(module, ids: list[int], steps: int, max_context: int, max_chunk: int, eos=(), device="cpu",
-                forced=None) -> dict:
-    """Greedy run of the eager graph (graph.OscarCausalLM, in-place cache): the reference of parity.
+def eager_trace(module, manifest: dict, ids: list[int], steps: int, device="cpu", forced=None) -> dict:
+    """Greedy run of the eager graph (graph.OscarCausalLM, in-place cache) at the artifact's context, chunk and
+    EOS ids: the reference of parity.
 
     Returns the greedy `tokens`, the logits of each step (the prefill's last position, then each
     decode step's) and the packed body `codes` by cache name. forced: tokens fed instead of its own
     picks, as GreedyLM.trace takes them.
     """
+    max_context, max_chunk, eos = manifest["max_context"], manifest["max_chunk"], manifest["eos_token_ids"]
     if forced is not None:
         steps = min(steps, len(forced))
     cache = [t.to(device) for t in module.new_cache(max_context)]

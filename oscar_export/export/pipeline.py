@@ -68,13 +68,17 @@ def check_runtime(target: Target, runtime: str | None) -> str:
     return runtime
 
 
-def reference_trace(directory, ids: list[int], steps: int, device: str = "cpu") -> dict:
-    """The artifact's reference run: the eager graph with the artifact's config, rotations and its own weights
-    (as the target stores them), greedy: tokens, each step's logits, the packed body codes by cache name."""
+def reference_module(directory) -> tuple:
+    """(module, manifest): the artifact's reference, the eager graph.OscarCausalLM with its config, rotations and
+    its own weights (as the target stores them)."""
     directory, manifest, target = open_artifact(directory)
-    module = target.artifact_module(directory, manifest).to(device)
-    return eager_trace(module, ids, steps, manifest["max_context"], manifest["max_chunk"], manifest["eos_token_ids"],
-                       device)
+    return target.artifact_module(directory, manifest), manifest
+
+
+def reference_trace(directory, ids: list[int], steps: int, device: str = "cpu") -> dict:
+    """The artifact's reference run, greedy: tokens, each step's logits, the packed body codes by cache name."""
+    module, manifest = reference_module(directory)
+    return eager_trace(module.to(device), manifest, ids, steps, device)
 
 
 def chat_prompt(tokenizer, question: str) -> str:

@@ -122,7 +122,8 @@ _E4M3_TOP = 126  # the bits of 448, the largest finite magnitude
 _E4M3_MIDS = ((_E4M3[:_E4M3_TOP].double() + _E4M3[1:_E4M3_TOP + 1].double()) / 2).float()
 # A tie at the midpoint above an odd code goes up, to the even one; -1 never equals |x|.
 _E4M3_ODD_MIDS = torch.where(torch.arange(_E4M3_TOP) % 2 == 1, _E4M3_MIDS, -1.0)
-_FALLBACK_SCALES = {onnx.TensorProto.FLOAT16: "float16", onnx.TensorProto.UINT8: "float8_e4m3fn"}
+# ONNX element type of the scale buffers -> the scale_dtype they store (ir.DataType values are ONNX's).
+_FALLBACK_SCALES = {int(_IR_TYPES[dtype]): name for name, dtype in BUFFER_SCALE_DTYPES.items()}
 
 
 def e4m3_values(op, bits):

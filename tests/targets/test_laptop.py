@@ -23,7 +23,7 @@ from onnx import TensorProto  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
 from oscar_export.export.graph import CACHE_NAMES, OscarCausalLM, greedy  # noqa: E402
-from oscar_export.export.pipeline import export_artifact, reference_trace  # noqa: E402
+from oscar_export.export.pipeline import export_artifact, reference_module, reference_trace  # noqa: E402
 from oscar_export.ops.onnx import DOMAIN, OP  # noqa: E402
 from oscar_export.parity import (  # noqa: E402
     ARTIFACT_THRESHOLDS,
@@ -207,8 +207,9 @@ def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, prompt, cap
 
     # The floor's jitter reaches the run: none leaves the reference exactly as it was, 5% moves it.
     trace = reference_trace(out, prompt, 8)
-    assert noise_floor(out, prompt, 8, trace, runs=1, eps=0.0)["logits_max_rel_error"] == 0.0
-    assert noise_floor(out, prompt, 8, trace, runs=1, eps=5e-2)["logits_max_rel_error"] > 1e-4
+    module, manifest = reference_module(out)
+    assert noise_floor(module, manifest, prompt, 8, trace, runs=1, eps=0.0)["logits_max_rel_error"] == 0.0
+    assert noise_floor(module, manifest, prompt, 8, trace, runs=1, eps=5e-2)["logits_max_rel_error"] > 1e-4
 
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
