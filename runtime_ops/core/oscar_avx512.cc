@@ -6,9 +6,11 @@
 // transposed so lane r holds row r's dword c, each bit plane of it is four codes (u8) of row r, and
 // one vpdpbusd adds their products with four query digits (s8) to that row's int32 sum. No lane
 // ever needs reducing, and the query digits are broadcast from memory. The digits, their bound and
-// the int32 sums are SplitQuery's, so the scores equal the AVX2 set's bit for bit. Values keep the
-// AVX2 set's order per channel (one fp32 FMA per code and query head, rows in order) with 16
-// channels a vector, so they equal it too. Softmax and the fp16 windows are the AVX2 set's.
+// the int32 sums are SplitQuery's, so the scores equal the AVX2 set's bit for bit. Softmax and the
+// fp16 windows are the AVX2 set's too. Values are the one place this set differs: it reads the
+// packed rows two at a time and adds code x weight in 16-bit fixed point (vpdpwssd), each weight
+// within 2^-16 of its block's largest (fixed_point_weights), where the AVX2 set makes one fp32 FMA
+// per code and query head.
 #include <immintrin.h>
 
 #include "oscar_x86.h"
@@ -65,6 +67,22 @@ inline void rows_fp32(const uint16_t* src, int rows, __m512* out) {
   }
 }
 
+// gcc 12 keeps a second copy of each accumulator for a VNNI intrinsic's result (and spills some),
+// which costs as much as the dot products: these add in place, the broadcast folded into the load.
+typedef int32_t __attribute__((may_alias)) AliasedInt32;
+
+// acc + the dots of four u8 codes with the four s8 digits at `digits`, in each lane.
+inline __m512i dot_quads(__m512i acc, __m512i codes, const int8_t* digits) {
+  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(codes), "m"(*reinterpret_cast<const AliasedInt32*>(digits)));
+  return acc;
+}
+
+// acc + the dots of two int16 pairs, x and w, in each lane.
+inline __m512i dot_pairs(__m512i acc, __m512i x, __m512i w) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(x), "v"(w));
+  return acc;
+}
+
 // Scores of NH query heads over the rows of a block, 16 rows a tile. W: packed dwords per row;
 // G: groups per row.
 template <int BITS, int W, int G, int NH>
@@ -92,11 +110,7 @@ void tile_scores(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, c
           const __m512i codes = _mm512_and_si512(_mm512_srli_epi32(x, BITS * p), mask);
           const int quad = g * cd + (c * kCpb + p) * 4;  // SplitQuery position of the four digits
           for (int k = 0; k < NH; ++k)
-            for (int t = 0; t < kTerms; ++t) {
-              int32_t digits;
-              __builtin_memcpy(&digits, sq[k].t[t] + quad, 4);
-              acc[k][t] = _mm512_dpbusd_epi32(acc[k][t], codes, _mm512_set1_epi32(digits));
-            }
+            for (int t = 0; t < kTerms; ++t) acc[k][t] = dot_quads(acc[k][t], codes, sq[k].t[t] + quad);
         }
       }
       static_assert(kTerms == 3, "digit weights below");
@@ -123,110 +137,107 @@ struct TileScores {
   }
 };
 
-// A row's codes in plane order (the AVX2 set's spread), 64 positions a vector: each qword of the
-// output is the plane-k codes of 8 packed bytes of one group, so one permute of the row's (at most
-// 8) packed qwords, one shift per qword and one mask make 64 codes.
-class Spreader {
- public:
-  explicit Spreader(const BodyView& b)
-      : mask_(_mm512_set1_epi8(char((1 << b.bits) - 1))), row_bytes_(b.head_dim * b.bits / 8), dim_(b.head_dim) {
-    alignas(64) int64_t idx[2][8] = {}, shift[2][8] = {};
-    const int cpb = 8 / b.bits, seg = b.cluster_dim / cpb, group_bytes = b.cluster_dim * b.bits / 8;
-    for (int q = 0; q < b.head_dim / 8; ++q) {
-      const int p = 8 * q, g = p / b.cluster_dim, r = p % b.cluster_dim;
-      idx[q / 8][q % 8] = (g * group_bytes + r % seg) / 8;
-      shift[q / 8][q % 8] = b.bits * (r / seg);
-    }
-    for (int o = 0; o < 2; ++o) idx_[o] = _mm512_load_si512(idx[o]), shift_[o] = _mm512_load_si512(shift[o]);
-  }
+// Values in 16-bit fixed point. Per head and group, a block's weights (p * scale) become integers
+// q = round(w / unit) with unit = max|w| / 32767, stored in place as int32 pairs (q of rows 2m and
+// 2m+1), so one vpdpwssd adds two rows' code x weight products per lane, exactly, in int32
+// (256 rows x 15 x 32767 < 2^31). Each weight is off by at most unit / 2, i.e. 2^-16 of the
+// block's largest for that head and group, and the sum is converted once per block: fp32 FMAs
+// would round every product to 2^-24 of itself, at twice the instructions.
+inline __mmask16 first_lanes(int count) {
+  return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
+}
 
-  // n packed rows from `codes` -> out[j * head_dim + plane position].
-  void rows(const uint8_t* codes, int n, uint8_t* out) const {
-    switch (dim_ * 64 + row_bytes_) {  // the shapes the kernels see most, with plain loads and stores
-      case 64 * 64 + 16: return rows_of<16, 64>(codes, n, out);    // head_dim 64, 2-bit
-      case 64 * 64 + 32: return rows_of<32, 64>(codes, n, out);    // head_dim 64, 4-bit
-      case 128 * 64 + 32: return rows_of<32, 128>(codes, n, out);  // head_dim 128, 2-bit
-      case 128 * 64 + 64: return rows_of<64, 128>(codes, n, out);  // head_dim 128, 4-bit
-      default: return rows_of<0, 0>(codes, n, out);
-    }
-  }
-
- private:
-  // RB packed bytes and DIM codes a row (0, 0: the instance's, with masked loads and stores).
-  template <int RB, int DIM>
-  void rows_of(const uint8_t* codes, int n, uint8_t* out) const {
-    const int row_bytes = RB ? RB : row_bytes_, dim = DIM ? DIM : dim_;
-    const __mmask8 packed = __mmask8((1u << (row_bytes / 8)) - 1);
-    const __m512i mask = mask_, idx0 = idx_[0], idx1 = idx_[1], shift0 = shift_[0], shift1 = shift_[1];
-    for (int j = 0; j < n; ++j, codes += row_bytes, out += dim) {
-      __m512i x;
-      if constexpr (RB == 16)
-        x = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-      else if constexpr (RB == 32)
-        x = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)));
-      else if constexpr (RB == 64)
-        x = _mm512_loadu_si512(codes);
-      else
-        x = _mm512_maskz_loadu_epi64(packed, codes);
-      const __m512i v0 = _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi64(idx0, x), shift0), mask);
-      if constexpr (DIM == 64 || DIM == 128) {
-        _mm512_storeu_si512(out, v0);
-        if constexpr (DIM == 128)
-          _mm512_storeu_si512(out + 64, _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi64(idx1, x), shift1), mask));
-      } else {  // head_dim 32, 64, 96 or 128
-        const auto part = [](int left) { return left >= 64 ? ~__mmask64(0) : (__mmask64(1) << left) - 1; };
-        _mm512_mask_storeu_epi8(out, part(dim), v0);
-        if (dim > 64)
-          _mm512_mask_storeu_epi8(out + 64, part(dim - 64),
-                                  _mm512_and_si512(_mm512_srlv_epi64(_mm512_permutexvar_epi64(idx1, x), shift1), mask));
-      }
-    }
-  }
-
-  __m512i idx_[2], shift_[2];
-  const __m512i mask_;
-  const int row_bytes_, dim_;
-};
-
-// Values: SLICES x 16 plane positions x NH heads of accumulators stay in registers across the
-// block's rows; per lane the FMAs run in row order from zero, as in the AVX2 set.
-// weights[(h * groups + g) * n + j]; codes: spread (one byte per code, plane order, D per row).
-template <int NH, int SLICES>
-void values_pass(const BodyView& b, const uint8_t* codes, int n, int h0, int p0, float* acc, const float* weights) {
-  const int D = b.head_dim, cd = b.cluster_dim, G = b.groups;
-  const int64_t head_stride = int64_t(G) * n;
-  const float* w[SLICES];  // head h0's weights for slice s: the group of positions p0 + 16 s
-  for (int s = 0; s < SLICES; ++s) w[s] = weights + int64_t(h0 * G + (p0 + 16 * s) / cd) * n;
-  __m512 a[NH][SLICES];
-  for (int k = 0; k < NH; ++k)
-    for (int s = 0; s < SLICES; ++s) a[k][s] = _mm512_setzero_ps();
-  for (int j = 0; j < n; ++j) {
-    const uint8_t* c = codes + j * D + p0;
-    __m512 x[SLICES];
-    for (int s = 0; s < SLICES; ++s)
-      x[s] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 16 * s))));
-    for (int k = 0; k < NH; ++k)
-      for (int s = 0; s < SLICES; ++s)
-        a[k][s] = _mm512_fmadd_ps(_mm512_set1_ps(w[s][k * head_stride + j]), x[s], a[k][s]);
-  }
-  for (int k = 0; k < NH; ++k) {
-    float* dst = acc + (h0 + k) * D;
-    for (int s = 0; s < SLICES; ++s) {
-      alignas(64) float t[16];
-      _mm512_store_ps(t, a[k][s]);
-      for (int l = 0; l < 16; ++l) dst[plane_channel(p0 + 16 * s + l, b.bits, cd)] += t[l];
+// weights[r * n + j] (r = h * groups + g) -> int32 pairs at the start of the same row; units[r] = unit.
+void fixed_point_weights(float* weights, int n, int rows, float* units) {
+  for (int r = 0; r < rows; ++r) {
+    float* w = weights + int64_t(r) * n;
+    __m512 amax = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_maskz_loadu_ps(first_lanes(n - j), w + j)));
+    const float top = _mm512_reduce_max_ps(amax);
+    units[r] = top / 32767.0f;
+    const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+    for (int j = 0; j < n; j += 32) {  // reads rows j.. before writing pairs j/2.. (j/2 <= j)
+      const __m512i lo = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(first_lanes(n - j), w + j), inv));
+      const __m512i hi =
+          _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(first_lanes(n - j - 16), w + j + 16), inv));
+      const __m512i pairs = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo)),
+                                               _mm512_cvtepi32_epi16(hi), 1);
+      _mm512_mask_storeu_epi32(reinterpret_cast<int32_t*>(w) + j / 2, first_lanes((n - j + 1) / 2), pairs);
     }
   }
 }
 
-// 64 positions a pass (head_dim 96 ends with 32).
-template <int NH>
-void values_heads(const BodyView& b, const uint8_t* codes, int n, int h0, float* acc, const float* weights) {
-  for (int p0 = 0; p0 < b.head_dim; p0 += 64) {
-    if (b.head_dim - p0 >= 64)
-      values_pass<NH, 4>(b, codes, n, h0, p0, acc, weights);
-    else
-      values_pass<NH, 2>(b, codes, n, h0, p0, acc, weights);
+// Two rows' 16 packed bytes (a chunk) as the int16 pairs (byte of row a, byte of row b) of 16
+// lanes; a shift and a mask per bit plane then give both rows' codes of that plane.
+inline __m512i byte_pairs(const uint8_t* a, const uint8_t* b, __mmask16 bytes) {
+  const __m128i x = _mm_maskz_loadu_epi8(bytes, a), y = _mm_maskz_loadu_epi8(bytes, b);
+  return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(x, y), _mm_unpacklo_epi8(x, y)));
+}
+
+// One pair of rows into the accumulators: the codes of every bit plane times each head's weights
+// (w: pairs of head 0 at pair m; SPLIT: lanes 8.. take the next group's, at w + next).
+template <int BITS, int NH, bool SPLIT>
+inline void pair_step(__m512i x, const int32_t* w, int64_t next, int64_t head_stride, __m512i (&a)[NH][8 / BITS]) {
+  const __m512i mask = _mm512_set1_epi16((1 << BITS) - 1);
+  __m512i codes[8 / BITS];
+  for (int p = 0; p < 8 / BITS; ++p) codes[p] = _mm512_and_si512(_mm512_srli_epi16(x, BITS * p), mask);
+#pragma GCC unroll 4
+  for (int k = 0; k < NH; ++k) {
+    __m512i wk = _mm512_set1_epi32(w[k * head_stride]);
+    if constexpr (SPLIT) wk = _mm512_mask_blend_epi32(0xFF00, wk, _mm512_set1_epi32(w[k * head_stride + next]));
+#pragma GCC unroll 4
+    for (int p = 0; p < 8 / BITS; ++p) a[k][p] = dot_pairs(a[k][p], codes[p], wk);
+  }
+}
+
+// One 16-byte chunk of the rows (bytes c0.. of each) for NH heads: lane l, plane p of the int32
+// accumulators holds channel cpb * (c0 + l) + p. Rows go in pairs straight from the packed body.
+// pairs[(h * groups + g) * n + m]: see fixed_point_weights. SPLIT: the chunk holds two groups'
+// 8 bytes (2-bit codes in groups of 32); otherwise one group's.
+template <int BITS, int NH, bool SPLIT>
+void values_chunk(const BodyView& b, int64_t row0, int n, int h0, int c0, float* acc, const int32_t* pairs,
+                  const float* units) {
+  constexpr int kCpb = 8 / BITS;
+  const int G = b.groups, row_bytes = b.head_dim * BITS / 8, g0 = c0 * kCpb / b.cluster_dim;
+  const int64_t head_stride = int64_t(G) * n;
+  const __mmask16 bytes = first_lanes(row_bytes - c0);
+  const int32_t* w = pairs + int64_t(h0 * G + g0) * n;
+  __m512i a[NH][kCpb];  // every loop over them unrolled, so they stay in registers
+#pragma GCC unroll 4
+  for (int k = 0; k < NH; ++k)
+#pragma GCC unroll 4
+    for (int p = 0; p < kCpb; ++p) a[k][p] = _mm512_setzero_si512();
+  const uint8_t* row = b.codes + row0 * row_bytes + c0;
+  for (int m = 0; 2 * m < n; ++m, row += 2 * row_bytes) {
+    const uint8_t* second = 2 * m + 1 < n ? row + row_bytes : row;  // an odd block's last row: weight 0
+    pair_step<BITS, NH, SPLIT>(byte_pairs(row, second, bytes), w + m, n, head_stride, a);
+  }
+  // Scaled out of the registers in one go: a loop the compiler kept rolled over them would hold
+  // them in memory, stored on every pair of rows.
+  alignas(64) float t[NH][kCpb][16];
+#pragma GCC unroll 4
+  for (int k = 0; k < NH; ++k) {
+    __m512 unit = _mm512_set1_ps(units[(h0 + k) * G + g0]);
+    if constexpr (SPLIT) unit = _mm512_mask_blend_ps(0xFF00, unit, _mm512_set1_ps(units[(h0 + k) * G + g0 + 1]));
+#pragma GCC unroll 4
+    for (int p = 0; p < kCpb; ++p) _mm512_store_ps(t[k][p], _mm512_mul_ps(_mm512_cvtepi32_ps(a[k][p]), unit));
+  }
+#pragma GCC unroll 4
+  for (int k = 0; k < NH; ++k) {
+    float* dst = acc + (h0 + k) * b.head_dim + kCpb * c0;
+    for (int l = 0; l < 16 && c0 + l < row_bytes; ++l)
+      for (int p = 0; p < kCpb; ++p) dst[kCpb * l + p] += t[k][p][l];
+  }
+}
+
+template <int BITS, bool SPLIT>
+void values_heads(const BodyView& b, int64_t row0, int n, int h0, int nh, int c0, float* acc, const int32_t* pairs,
+                  const float* units) {
+  switch (nh) {
+    case 1: return values_chunk<BITS, 1, SPLIT>(b, row0, n, h0, c0, acc, pairs, units);
+    case 2: return values_chunk<BITS, 2, SPLIT>(b, row0, n, h0, c0, acc, pairs, units);
+    case 3: return values_chunk<BITS, 3, SPLIT>(b, row0, n, h0, c0, acc, pairs, units);
+    default: return values_chunk<BITS, 4, SPLIT>(b, row0, n, h0, c0, acc, pairs, units);
   }
 }
 
@@ -244,16 +255,20 @@ void avx512_scores(const BodyView& b, int64_t row0, int n, const float* q, const
 void avx512_values(const BodyView& b, int64_t row0, int n, const float* p, int heads, float* acc, float* scratch) {
   if (n > kPlanarRows || !planar(b)) return kAvx2Kernels.values(b, row0, n, p, heads, acc, scratch);
   planar_weights(b, row0, n, p, heads, acc, scratch);
-  alignas(64) uint8_t codes[kPlanarRows * kPlanarMaxDim];
-  Spreader(b).rows(b.codes + row0 * b.head_dim * b.bits / 8, n, codes);
-  for (int h0 = 0; h0 < heads; h0 += 4) {
-    switch (min_int(4, heads - h0)) {
-      case 1: values_heads<1>(b, codes, n, h0, acc, scratch); break;
-      case 2: values_heads<2>(b, codes, n, h0, acc, scratch); break;
-      case 3: values_heads<3>(b, codes, n, h0, acc, scratch); break;
-      default: values_heads<4>(b, codes, n, h0, acc, scratch); break;
+  float* units = scratch + int64_t(n) * heads * b.groups;  // the scratch's last heads * groups floats
+  fixed_point_weights(scratch, n, heads * b.groups, units);
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(scratch);
+  const int row_bytes = b.head_dim * b.bits / 8, group_bytes = b.cluster_dim * b.bits / 8;
+  for (int h0 = 0; h0 < heads; h0 += 4)
+    for (int c0 = 0; c0 < row_bytes; c0 += 16) {
+      const int nh = min_int(4, heads - h0);
+      if (b.bits == 4)
+        values_heads<4, false>(b, row0, n, h0, nh, c0, acc, pairs, units);
+      else if (group_bytes == 8 && c0 + 8 < row_bytes)  // 2-bit codes in groups of 32: two groups a chunk
+        values_heads<2, true>(b, row0, n, h0, nh, c0, acc, pairs, units);
+      else
+        values_heads<2, false>(b, row0, n, h0, nh, c0, acc, pairs, units);
     }
-  }
 }
 
 // exp8 of the AVX2 set on 16 lanes: the same operations, so the same result in every lane.
