@@ -6,10 +6,11 @@ A decode step over C cached rows does Q * C * D multiply-accumulates for the sco
 for the values (Q query heads, head_dim D). benchmarks/mac_peak.cc measures how many of them one
 core retires per second in each instruction form; dividing gives three floors:
   - fp32: both sides as fp32 FMAs (what fp32 attention must do, whatever its cache);
-  - exact: the kernels' arithmetic (docs/kernels.md): fp32 FMAs on the value side, and three
-    int8 query terms against u8 codes (vpmaddubsw) on the score side;
-  - int8/int16: one int8 query term and 16-bit value weights (vpmaddwd), the precision trade
-    the kernels do not make.
+  - exact: the kernel set's arithmetic (docs/kernels.md): three int8 query terms against u8
+    codes (vpmaddubsw) on the score side; on the value side 16-bit weights (vpmaddwd) for the
+    AVX-512 set, fp32 FMAs for the others;
+  - int8/int16: one int8 query term and 16-bit value weights, the precision trade the score
+    side does not make.
 The rows run oscar_decode_bench (the core alone, one thread, 2-bit K/V) between two measurements
 of the peak rates, so the fraction of floor (against the step's p10: shared machines
 are noisy) is measured side by side. Writes benchmarks/results/decode_floor.json.
@@ -91,9 +92,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, shape in SHAPES.items():
         side = shape[0] * args.context * shape[2]  # MACs on each of the score and value sides
-        floors = {"fp32_ms": 2 * side / fp32 * 1e3, "exact_ms": (side / fp32 + SCORE_TERMS * side / int8) * 1e3,
-                  "int8_int16_ms": (side / int16 + side / int8) * 1e3}
         step = steps[name]
+        values_rate = int16 if step["kernel"] == "avx512" else fp32  # the AVX-512 set's values are 16-bit
+        floors = {"fp32_ms": 2 * side / fp32 * 1e3, "exact_ms": (side / values_rate + SCORE_TERMS * side / int8) * 1e3,
+                  "int8_int16_ms": (side / int16 + side / int8) * 1e3}
         row = {"shape": name, "q_heads": shape[0], "kv_heads": shape[1], "head_dim": shape[2],
                "context": args.context, "macs_per_side": side, **step,
                **{k: round(v, 4) for k, v in floors.items()},
