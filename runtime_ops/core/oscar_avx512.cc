@@ -23,6 +23,11 @@ namespace {
 
 constexpr int kRows = 16;  // body rows per score tile: one per lane
 
+// The first `count` of 16 lanes (none for count <= 0, all from 16 on).
+inline __mmask16 first_lanes(int count) {
+  return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
+}
+
 // Lane r = element W * r + c of the 16 * W elements z[0..W) hold in memory order (16 rows of W
 // elements): column c of the tile. Each pair of vectors holds 32 / W rows; one two-source permute
 // per pair, and a blend to put its rows in place.
@@ -45,9 +50,7 @@ inline __m512i column(const __m512i* z, int c) {
 template <int W>
 inline void load_tile(const void* src, int count, __m512i* z) {
   for (int i = 0; i < W; ++i) {
-    const int left = count - 16 * i;
-    const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-    z[i] = _mm512_maskz_loadu_epi32(m, static_cast<const int32_t*>(src) + 16 * i);
+    z[i] = _mm512_maskz_loadu_epi32(first_lanes(count - 16 * i), static_cast<const int32_t*>(src) + 16 * i);
   }
 }
 
@@ -55,14 +58,11 @@ inline void load_tile(const void* src, int count, __m512i* z) {
 template <int G>
 inline void rows_fp32(const uint16_t* src, int rows, __m512* out) {
   if constexpr (G == 1) {
-    out[0] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(__mmask16((1u << rows) - 1), src));
+    out[0] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(rows), src));
   } else {
     __m512i f[G];  // f[i]: rows 16i/G .. as fp32 bits, G per row
-    for (int i = 0; i < G; ++i) {
-      const int left = rows * G - 16 * i;
-      const __mmask16 m = left >= 16 ? __mmask16(0xFFFF) : left <= 0 ? __mmask16(0) : __mmask16((1u << left) - 1);
-      f[i] = _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src + 16 * i)));
-    }
+    for (int i = 0; i < G; ++i)
+      f[i] = _mm512_castps_si512(_mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(rows * G - 16 * i), src + 16 * i)));
     for (int g = 0; g < G; ++g) out[g] = _mm512_castsi512_ps(column<G>(f, g));
   }
 }
@@ -125,7 +125,7 @@ void tile_scores(const BodyView& b, int64_t row0, int n, const SplitQuery* sq, c
       }
     }
     for (int k = 0; k < NH; ++k)
-      _mm512_mask_storeu_ps(scores + (h0 + k) * n + j0, __mmask16((1u << rows) - 1), total[k]);
+      _mm512_mask_storeu_ps(scores + (h0 + k) * n + j0, first_lanes(rows), total[k]);
   }
 }
 
@@ -143,10 +143,7 @@ struct TileScores {
 // (256 rows x 15 x 32767 < 2^31). Each weight is off by at most unit / 2, i.e. 2^-16 of the
 // block's largest for that head and group, and the sum is converted once per block: fp32 FMAs
 // would round every product to 2^-24 of itself, at twice the instructions.
-inline __mmask16 first_lanes(int count) {
-  return count >= 16 ? __mmask16(0xFFFF) : count <= 0 ? __mmask16(0) : __mmask16((1u << count) - 1);
-}
-
+//
 // weights[r * n + j] (r = h * groups + g) -> int32 pairs at the start of the same row; units[r] = unit.
 void fixed_point_weights(float* weights, int n, int rows, float* units) {
   for (int r = 0; r < rows; ++r) {
@@ -298,7 +295,7 @@ float avx512_exp_sum(float* s, int n, float m) {
                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
   }
   for (; j < n; j += 8) {
-    const __mmask16 lanes = __mmask16((1u << (n - j < 8 ? n - j : 8)) - 1);
+    const __mmask16 lanes = first_lanes(n - j < 8 ? n - j : 8);
     const __m512 e = exp16(_mm512_maskz_sub_ps(lanes, _mm512_maskz_loadu_ps(lanes, s + j), shift));
     _mm512_mask_storeu_ps(s + j, lanes, e);
     sum = _mm256_add_ps(sum, _mm256_maskz_mov_ps(__mmask8(lanes), _mm512_castps512_ps256(e)));
