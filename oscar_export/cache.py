@@ -62,6 +62,24 @@ def bits_per_element(config: OscarConfig, head_dim: int, context: int) -> float:
     return bits / (context * 2 * head_dim)
 
 
+def buffer_layout(config: OscarConfig, layers: int, kv_heads: int, head_dim: int,
+                  max_context: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Name -> (shape, dtype) of every buffer of a cache: {k,v}_{sink,recent,scale,zero} [layers, kv_heads, slots,
+    ...] and the packed codes, one tensor per layer (its own width): {k,v}_codes{i}, or {k,v}_codes for one layer."""
+    sink, recent, body = capacities(config, max_context)
+    groups, sdt = head_dim // config.cluster_dim, torch_scale_dtype(config.scale_dtype)
+    layout = {}
+    for kind in KINDS:
+        layout[f"{kind}_sink"] = ((layers, kv_heads, sink, head_dim), WINDOW_DTYPE)
+        layout[f"{kind}_recent"] = ((layers, kv_heads, recent, head_dim), WINDOW_DTYPE)
+        for i, c in enumerate(config.layers(layers)):
+            name = f"{kind}_codes" if layers == 1 else f"{kind}_codes{i}"
+            layout[name] = ((kv_heads, body, packed_bytes(head_dim, c.bits(kind))), torch.uint8)
+        layout[f"{kind}_scale"] = ((layers, kv_heads, body, groups), sdt)
+        layout[f"{kind}_zero"] = ((layers, kv_heads, body, groups), sdt)
+    return layout
+
+
 def causal_gqa_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n0: int, scaling: float
 ) -> torch.Tensor:
@@ -112,6 +130,7 @@ class OscarKVCache:
         v_levels: torch.Tensor | None = None,
         device: torch.device | str = "cpu",
         k_feedback: torch.Tensor | None = None,
+        storage: dict[str, torch.Tensor] | None = None,
     ):
         config.check_head_dim(head_dim)
         for name, value in (("layers", layers), ("kv_heads", kv_heads), ("max_context", max_context)):
@@ -151,24 +170,23 @@ class OscarKVCache:
                                       f"({layers}, {kv_heads}, {head_dim}, {head_dim})")
             self.feedback = k_feedback.to(self.device)
 
-        sink, recent, body = capacities(config, max_context)
-        groups = head_dim // config.cluster_dim
-        sdt = torch_scale_dtype(config.scale_dtype)
-        dev = self.device
-        self.sink = {kind: torch.zeros(layers, kv_heads, sink, head_dim, dtype=WINDOW_DTYPE, device=dev) for kind in KINDS}
-        self.recent = {
-            kind: torch.zeros(layers, kv_heads, recent, head_dim, dtype=WINDOW_DTYPE, device=dev) for kind in KINDS
-        }
+        layout = buffer_layout(config, layers, kv_heads, head_dim, max_context)
+        if storage is None:
+            storage = {name: torch.zeros(shape, dtype=dtype, device=self.device)
+                       for name, (shape, dtype) in layout.items()}
+        else:  # the caller's buffers, adopted as they are (writes reach them): the exported op's in-place cache
+            for name, (shape, dtype) in layout.items():
+                given = storage.get(name)
+                if not isinstance(given, torch.Tensor) or given.shape != shape or given.dtype != dtype:
+                    found = "nothing" if not isinstance(given, torch.Tensor) else f"{given.dtype} {tuple(given.shape)}"
+                    raise OscarInputError(f"{name} is {found}: expected {dtype} {tuple(shape)}")
+        self.sink = {kind: storage[f"{kind}_sink"] for kind in KINDS}
+        self.recent = {kind: storage[f"{kind}_recent"] for kind in KINDS}
         # One tensor per layer: a layer's code width is its own (k_bits_by_layer).
-        self.codes = {
-            kind: [
-                torch.zeros(kv_heads, body, packed_bytes(head_dim, c.bits(kind)), dtype=torch.uint8, device=dev)
-                for c in self.layer_configs
-            ]
-            for kind in KINDS
-        }
-        self.scale = {kind: torch.zeros(layers, kv_heads, body, groups, dtype=sdt, device=dev) for kind in KINDS}
-        self.zero = {kind: torch.zeros(layers, kv_heads, body, groups, dtype=sdt, device=dev) for kind in KINDS}
+        self.codes = {kind: [storage[f"{kind}_codes"] if layers == 1 else storage[f"{kind}_codes{i}"]
+                             for i in range(layers)] for kind in KINDS}
+        self.scale = {kind: storage[f"{kind}_scale"] for kind in KINDS}
+        self.zero = {kind: storage[f"{kind}_zero"] for kind in KINDS}
         self.length = [0] * layers
 
     @property

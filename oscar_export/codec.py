@@ -70,9 +70,17 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return ((word >> byte_shifts) & 0xFF).to(torch.uint8).reshape(*lead, n * bits // 8)
 
 
+def _byte_codes(bits: int, device) -> torch.Tensor:
+    """[256, 8 // bits]: the codes each byte holds, lowest bits first, for widths that divide a byte."""
+    shifts = torch.arange(8 // bits, dtype=torch.int64, device=device) * bits
+    return (torch.arange(256, dtype=torch.int64, device=device)[:, None] >> shifts) & (2**bits - 1)
+
+
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of pack_codes: packed uint8 [..., m] -> uint8 codes [..., m * 8 // bits]."""
     *lead, m = packed.shape
+    if 8 % bits == 0:  # a code never straddles a byte: one table lookup per byte
+        return _byte_codes(bits, packed.device).to(torch.uint8)[packed.to(torch.int64)].reshape(*lead, m * 8 // bits)
     chunks = packed.to(torch.int64).reshape(*lead, m // bits, bits)
     word = (chunks << (torch.arange(bits, dtype=torch.int64, device=packed.device) * 8)).sum(-1, keepdim=True)
     shifts = torch.arange(CODES_PER_WORD, dtype=torch.int64, device=packed.device) * bits
@@ -203,8 +211,13 @@ def dequantize(
 ) -> torch.Tensor:
     """Packed codes and per-group scale/zero -> fp32 [..., head_dim]: zero + scale * level[code]."""
     levels = uniform_levels(bits) if levels is None else check_levels(levels, bits)
-    unpacked = unpack_codes(codes, bits).to(torch.int64)
-    values = _groups(levels.to(codes.device)[unpacked], cluster_dim)
+    levels = levels.to(device=codes.device, dtype=torch.float32)
+    if 8 % bits == 0:  # each byte straight to its levels
+        *lead, m = codes.shape
+        values = levels[_byte_codes(bits, codes.device)][codes.to(torch.int64)].reshape(*lead, m * 8 // bits)
+    else:
+        values = levels[unpack_codes(codes, bits).to(torch.int64)]
+    values = _groups(values, cluster_dim)
     out = zero.to(torch.float32).unsqueeze(-1) + scale.to(torch.float32).unsqueeze(-1) * values
     return out.flatten(-2)
 

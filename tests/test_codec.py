@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from numpy_codec import quantize_vector
+from numpy_codec import quantize_vector, unpack_vector
 from oscar_export.calibrate import feedback_weights
 from oscar_export.codec import (
     dequantize,
@@ -43,6 +43,20 @@ def test_pack_unpack_round_trip(bits):
     packed = pack_codes(codes, bits)
     assert packed.shape == (5, 3, 128 * bits // 8)
     assert torch.equal(unpack_codes(packed, bits), codes)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_unpack_and_dequantize_every_byte_against_the_bit_stream(bits):
+    # Every byte value in every position of a packed word, read as the format's little-endian bit stream.
+    packed = torch.arange(256 * bits, dtype=torch.int64).remainder(256).to(torch.uint8).reshape(-1, 8 * bits)
+    rows = [unpack_vector(row.numpy(), bits, 64) for row in packed]
+    assert unpack_codes(packed, bits).tolist() == rows
+    levels = (torch.linspace(0, 1, 2**bits) ** 1.3 * (2**bits - 1)).clamp(max=2**bits - 1)  # uneven steps
+    scale, zero = torch.rand(len(rows), 2) + 0.5, torch.randn(len(rows), 2)
+    got = dequantize(packed, scale.half(), zero.half(), bits, 32, levels)
+    want = torch.tensor([[float(zero.half()[r, c // 32]) + float(scale.half()[r, c // 32]) * float(levels[code])
+                          for c, code in enumerate(row)] for r, row in enumerate(rows)])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
 def test_quantize_by_hand_two_bit():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import KINDS, OscarKVCache, capacities
+from ..cache import OscarKVCache, buffer_layout, capacities
 from ..config import OscarConfig, OscarInputError
 
 # One layer's cache buffers, in the op's input order (after q, k_new, v_new).
@@ -76,18 +76,16 @@ def wrap_cache(cache, k_levels, v_levels, k_feedback, length, k_bits, v_bits, cl
     if capacities(config, sum(caps)) != caps:
         raise OscarInputError(f"cache capacities (sink, recent, body) = {caps}: expected "
                               f"{capacities(config, sum(caps))} for sink={sink}, recent={recent}")
+    for name, (shape, dtype) in buffer_layout(config, 1, kv_heads, head_dim, sum(caps)).items():
+        want = shape if name.endswith("_codes") else shape[1:]  # the caller's buffers have no layer axis
+        if given[name].shape != want or given[name].dtype != dtype:
+            raise OscarInputError(f"{name} is {given[name].dtype} {tuple(given[name].shape)}: "
+                                  f"expected {dtype} {tuple(want)}")
     levels = {} if feedback else {"k_levels": [k_levels], "v_levels": [v_levels]}
+    # Views with a layer axis of one: writes reach the caller's buffers. Codes are held per layer (their own width).
+    storage = {name: tensor if name.endswith("_codes") else tensor.unsqueeze(0) for name, tensor in given.items()}
     kv = OscarKVCache(config, 1, kv_heads, head_dim, max(sum(caps), 1), **levels, device=given["k_sink"].device,
-                      k_feedback=k_feedback[None] if feedback else None)
-    for kind in KINDS:
-        for region in ("sink", "recent", "codes", "scale", "zero"):
-            name, want = f"{kind}_{region}", getattr(kv, region)[kind][0]  # layer 0, the only one
-            if given[name].shape != want.shape or given[name].dtype != want.dtype:
-                raise OscarInputError(f"{name} is {given[name].dtype} {tuple(given[name].shape)}: "
-                                      f"expected {want.dtype} {tuple(want.shape)}")
-            # Views: the op writes the caller's buffers. Codes are held per layer (their width is the layer's).
-            view = [given[name]] if region == "codes" else given[name].unsqueeze(0)
-            getattr(kv, region)[kind] = view
+                      k_feedback=k_feedback[None] if feedback else None, storage=storage)
     kv.length[0] = int(length.reshape(-1)[0])
     return kv
 
