@@ -59,6 +59,26 @@ def test_unpack_and_dequantize_every_byte_against_the_bit_stream(bits):
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_feedback_codes_are_the_same_in_numpy_and_torch(bits):
+    # encode_feedback runs the numpy loop on CPU tensors and the torch loop elsewhere: the same fp32 operations.
+    from oscar_export.codec import _feedback_codes, _feedback_codes_numpy, thresholds, uniform_levels
+
+    torch.manual_seed(bits)
+    for lead, feedback_lead in (((3, 1), (3, 1)), ((2, 40), (2, 1)), ((7,), ())):
+        w = torch.randn(*lead, 64) * 3
+        s = (torch.rand(*lead, 2) + 0.05).half().float().repeat_interleave(32, -1)
+        s[..., :32].view(-1, 32)[::3] = 0  # a zero scale: its group's codes are 0
+        z = (-torch.rand(*lead, 2) * 2).half().float().repeat_interleave(32, -1)
+        feedback = (torch.randn(*feedback_lead, 64, 64) * 0.2).triu(1)
+        levels = uniform_levels(bits)
+        want = _feedback_codes(w.clone(), s, z, levels, thresholds(levels), feedback)
+        got = _feedback_codes_numpy(w.clone().numpy(), s.numpy(), z.numpy(), levels.numpy(),
+                                    thresholds(levels).numpy(), feedback.expand(*lead, 64, 64).numpy())
+        assert torch.equal(torch.from_numpy(got), want), lead
+        assert int(want.max()) > 0 and int(want[..., :32].reshape(-1, 32)[::3].max()) == 0
+
+
 def test_quantize_by_hand_two_bit():
     # Group spans [0, 3]: scale 1, zero 0; u == x, so codes count thresholds 0.5, 1.5, 2.5 strictly exceeded.
     x = torch.tensor([0.0, 3.0, 0.5, 0.51, 1.5, 1.6, 2.5, 2.9] * 4)
