@@ -3,10 +3,14 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from oscar_export.config import OscarConfig
+from oscar_export.distribution import Distributions, compare, kl_divergence
 from oscar_export.parity import (
+    TIE_MARGIN,
+    _forced_text,
     available_runtimes,
     compare_artifact_traces,
     compare_ops,
@@ -111,7 +115,8 @@ def test_a_runtime_fed_the_reference_tokens_is_checked_at_every_step():
     late = artifact_trace([2, 2, 0], tied["logits"][:2] + [[6.5, 0, 0, 6.0]], codes)
     assert compare_artifact_traces(late, ref, config, prompt_tokens=8)["ok"]
     row = compare_artifact_traces({**late, "forced": True}, ref, config, prompt_tokens=8)
-    assert not row["ok"] and row["tokens_differing"] == 2 and tokens_verdict(row) == "DIFFER at step 2"
+    assert not row["ok"] and row["tokens_differing"] == 2
+    assert tokens_verdict(row) == "DIFFER at step 2 (the reference leads by 6.00 nats)"
 
     # Logits and codes after the tie count too.
     row = compare_artifact_traces({**tied, "logits": tied["logits"][:2] + [np.asarray([0, 0, 3.0, 6.0], np.float32)],
@@ -128,3 +133,53 @@ def test_a_runtime_fed_the_reference_tokens_is_checked_at_every_step():
     ref_tie = artifact_trace([1, 2, 3], ref_logits[:2] + [[5.99, 0, 0, 6.0]], codes)
     row = compare_artifact_traces({**two, "forced": True}, ref_tie, config, prompt_tokens=8)
     assert row["ok"] and tokens_verdict(row) == "2 near ties, the first at step 0"
+
+
+def test_a_near_tie_is_judged_on_the_probability_scale_whatever_the_vocabulary():
+    # A 49,152-entry vocabulary of logits around 10 has an L2 norm near 2,200: a rule scaled by it (2% of the norm,
+    # the rule this replaces) called a lead of 40 logits, a probability ratio of e^40, a tie. The margin is in nats.
+    config = {"k_bits": 2, "v_bits": 2, "sink": 4}
+    codes = np.zeros((1, 4, 4), np.uint8)
+    logits = np.full(49_152, 10.0, np.float32)
+    logits[7], logits[9] = 50.0, 10.0
+    ref = {"tokens": [7], "logits": [logits], "codes": {"layer0.k_codes": codes}}
+    row = compare_artifact_traces({**ref, "tokens": [9]}, ref, config, prompt_tokens=8)
+    assert not row["ok"] and not row["near_tie"] and row["tie_margin"] == 40.0
+    for lead, tie in ((TIE_MARGIN - 1e-3, True), (TIE_MARGIN + 1e-3, False)):
+        close = logits.copy()
+        close[9] = 50.0 - lead
+        row = compare_artifact_traces({**ref, "tokens": [9], "logits": [close]}, {**ref, "logits": [close]}, config,
+                                      prompt_tokens=8)
+        assert row["near_tie"] is tie and row["ok"] is tie, lead
+
+
+def test_distribution_statistics_against_torch():
+    torch.manual_seed(0)
+    base_logits, cand_logits = torch.randn(300, 50) * 3, torch.randn(300, 50) * 3
+    targets = torch.randint(0, 50, (300,))
+    base, cand = Distributions(base_logits.numpy(), targets.numpy()), Distributions(cand_logits.numpy(), targets.numpy())
+    # KL(base || candidate) by torch's own definition (input: the candidate's log-probabilities, target: the base's)
+    want = torch.nn.functional.kl_div(cand_logits.log_softmax(-1).double(), base_logits.log_softmax(-1).double(),
+                                      log_target=True, reduction="none").sum(-1)
+    np.testing.assert_allclose(kl_divergence(base, cand), want.numpy(), rtol=1e-5, atol=1e-6)
+    row = compare(base, cand)
+    assert row["kl_mean"] == pytest.approx(float(want.mean()), rel=1e-4)  # log-probabilities kept in float32
+    assert row["kl_p999"] == pytest.approx(float(torch.quantile(want, 0.999)), rel=1e-4)
+    assert row["top1_agreement"] == pytest.approx(float((base_logits.argmax(-1) == cand_logits.argmax(-1)).double().mean()))
+    nll = torch.nn.functional.cross_entropy(cand_logits, targets)
+    assert row["perplexity"] == pytest.approx(float(nll.exp()), rel=1e-5)
+    assert row["perplexity_ratio"] == pytest.approx(float(nll.exp() / torch.nn.functional.cross_entropy(base_logits,
+                                                                                                      targets).exp()),
+                                                 rel=1e-5)
+    same = compare(base, base)
+    assert same["kl_max"] == 0 and same["top1_agreement"] == 1 and same["perplexity_ratio"] == 1
+    with pytest.raises(ValueError, match="different tokens"):
+        compare(base, Distributions(cand_logits.numpy(), (targets + 1).numpy() % 50))
+
+
+def test_the_distribution_text_fits_the_context_and_stops_before_an_eos():
+    text = list(range(100, 3000))
+    prompt, forced = _forced_text(text, eos=[], max_context=1024, tokens=2048)
+    assert prompt == text[:32] and forced == text[32:1024] and len(prompt) + len(forced) == 1024
+    prompt, forced = _forced_text(text, eos=[140], max_context=4096, tokens=2048)
+    assert forced == text[32:40]

@@ -30,14 +30,14 @@ def positive_int(text: str) -> int:
     return value
 
 
-def noise_runs(text: str) -> int:
-    """--noise-runs: 0 (fixed limits only) up to 16 jittered reference runs."""
+def kl_tokens(text: str) -> int:
+    """--kl-tokens: 0 (no distribution check) up to 32768 scored positions, each a decode step of every runtime."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: expected 0..16") from None
-    if not 0 <= value <= 16:
-        raise argparse.ArgumentTypeError(f"{value} is out of range: expected 0..16")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer: expected 0..32768") from None
+    if not 0 <= value <= 32768:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: expected 0..32768")
     return value
 
 

@@ -13,7 +13,7 @@ from ..calibrations import DEFAULT_HELDOUT_TOKENS, DEFAULT_TOKENS
 from ..config import OscarInputError
 from ..targets import names
 from . import commands
-from .flags import Parser, add_cache_flags, noise_runs, positive_int
+from .flags import Parser, add_cache_flags, kl_tokens, positive_int
 from .rotations import add_rotations_command
 from .targets import add_target_commands
 
@@ -101,9 +101,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--artifact", type=Path,
                    help="an exported artifact: compare its runtimes with the eager graph instead "
                         "(--model, --rotations and the cache flags then come from its manifest)")
-    p.add_argument("--noise-runs", type=noise_runs, default=3, metavar="N",
-                   help="with --artifact whose matmuls round activations on the fly: jittered reference runs that "
-                        "measure the noise floor the limits widen to (default %(default)s; 0: fixed limits only)")
+    p.add_argument("--kl-tokens", type=kl_tokens, default=2048, metavar="N",
+                   help="with --artifact: positions of --text teacher-forced through the reference, the float model "
+                        "and every runtime, whose next-token distributions are compared (KL divergence, top-1 "
+                        "agreement, perplexity); at most the artifact's context (default %(default)s; 0: skip)")
+    p.add_argument("--no-answers", action="store_true",
+                   help="with --artifact: skip the known questions of the artifact's model (oscar_export/answers.py)")
     p.add_argument("--save-trace", type=Path, metavar="FILE",
                    help="with --artifact: record the reference run (prompt, tokens, logits, codes; on CUDA when "
                         "present) into FILE instead of comparing, to check a runtime on another machine")

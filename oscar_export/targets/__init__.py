@@ -104,11 +104,13 @@ class Target:
         tokens = runner.generate(ids, max_new_tokens, manifest["eos_token_ids"])
         return {"tokens": tokens, "text": tokenizer.decode(tokens)}
 
-    def artifact_module(self, directory: Path, manifest: dict):
-        """The eager graph with the weights as the artifact stores them: the reference runtime."""
+    def artifact_module(self, directory: Path, manifest: dict, module=None):
+        """The eager graph with the weights as the artifact stores them: the reference runtime. module: the eager
+        graph with the source checkpoint's float weights (export/artifact.eager_module) to convert in place, when
+        the caller holds one already."""
         from ..export.artifact import eager_module
 
-        return eager_module(directory, manifest)
+        return eager_module(directory, manifest) if module is None else module
 
     def parity_limits(self, manifest: dict) -> dict[str, float]:
         """Limits of parity --artifact that this artifact's weights loosen (parity.ARTIFACT_THRESHOLDS otherwise)."""
@@ -116,8 +118,8 @@ class Target:
 
     def rounds_activations(self, manifest: dict) -> bool:
         """Whether the artifact's matmuls quantize their activations on the fly: rounding is a step function, so
-        float differences upstream flip codes and compound over the layers, and parity --artifact then measures
-        how far the reference moves from itself (parity.noise_floor)."""
+        float differences upstream flip codes and compound over the layers, and the distribution check of parity
+        --artifact holds it to wider limits (parity.DISTRIBUTION_LIMITS)."""
         return False
 
     def decode_profile(self, directory: Path, manifest: dict, runtime: str, ids: list[int], steps: int,

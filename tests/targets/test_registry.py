@@ -146,7 +146,7 @@ def test_a_registered_target_goes_through_the_one_pipeline(notes_target, tmp_pat
     result = run_artifact(out, "KING.", 3, REFERENCE)
     assert len(result["tokens"]) == 3 and isinstance(result["text"], str)
     # parity asks the target for its runtimes; one that cannot take the prompt is listed with its reason.
-    report = run_artifact_parity(out, result["tokens"][:1] + [5, 6, 7], 4)
+    report = run_artifact_parity(out, result["tokens"][:1] + [5, 6, 7], 4, answers=False)
     assert set(report["runtimes"]) == {"eager"} and report["ok"] and "tokenize back" in report["unavailable"]["picky"]
     row = report["runtimes"]["eager"]
     assert row["codes_mismatched"] == 0 and row["logits_max_abs_error"] == 0 and len(row["tokens"]) == 4

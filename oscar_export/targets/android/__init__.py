@@ -294,10 +294,10 @@ class AndroidTarget(Target):
             return stock_runner_generate(directory, prompt, max_new_tokens, threads)
         return super().generate(directory, manifest, runtime, tokenizer, prompt, ids, max_new_tokens, threads)
 
-    def artifact_module(self, directory, manifest):
+    def artifact_module(self, directory, manifest, module=None):
         """The eager graph with the artifact's weights: the same torchao 4-bit quantization of the source
         checkpoint, which is deterministic, so these are the weights the program holds."""
-        module = super().artifact_module(directory, manifest)
+        module = super().artifact_module(directory, manifest, module)
         if manifest["weights"] != "float32":
             _quantize_artifact_weights(module, manifest.get("group_size", self.options.group_size))
         return module

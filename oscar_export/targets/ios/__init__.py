@@ -110,14 +110,14 @@ class IosTarget(Target):
         ok, why = coreml_available()
         return {} if ok else {"coreml": why}
 
-    def artifact_module(self, directory, manifest):
+    def artifact_module(self, directory, manifest, module=None):
         """The eager graph with the weights the program stores (fp16, or 4-bit dequantized)."""
         import torch
 
         from .coreml_runner import load
         from .mil_eval import saved_program, weights
 
-        module = super().artifact_module(directory, manifest)
+        module = super().artifact_module(directory, manifest, module)
         state = module.state_dict()
         found = weights(saved_program(load(directory)))
         for key in state:

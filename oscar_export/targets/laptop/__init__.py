@@ -95,12 +95,12 @@ class LaptopTarget(Target):
 
         return profile_decode(directory, runtime, manifest["max_chunk"], ids, steps, threads)
 
-    def artifact_module(self, directory, manifest):
+    def artifact_module(self, directory, manifest, module=None):
         """The eager graph with the weights as the artifact stores them (4-bit ones dequantized, fp16 embeddings)."""
         from .onnx_export import MODEL_FILE
 
         directory = Path(directory)
-        module = super().artifact_module(directory, manifest)
+        module = super().artifact_module(directory, manifest, module)
         if manifest["weights"] == "float32":
             return module
         linears = []  # in call order, which is the exporter's node order
