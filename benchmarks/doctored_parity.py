@@ -7,7 +7,7 @@ the genuine inputs, as a faulty export would write it, then run parity on it:
   source checkpoint, which the reference reads).
 
     .venv/bin/python benchmarks/doctored_parity.py --target laptop --model M --context 4096 --doctor rotation \\
-        --out /tmp/doctored [--parity "--kl-tokens 2048"] [--json results.json]
+        --out /tmp/doctored [--parity "--kl-tokens 2048"] [--old-tree DIR --old-parity "..."] [--json FILE]
 
 Writes the artifact to --out, then runs `oscar-export parity --artifact OUT --json` in a fresh process (no patch
 there) and prints its verdicts; with --old-tree DIR it also runs the parity of another checkout (e.g. a git worktree
@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from oscar_export import hf_cache, models
+from oscar_export.export import streamed
 from oscar_export.cli import main as cli_main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,7 @@ def doctor_weights(layer: int, factor: float = 1.01):
         return model, tokenizer
 
     models.load_model = doctored
+    streamed.is_streamable = lambda checkpoint: False  # a streamed export would read the checkpoint's own tensors
 
 
 def parity(artifact: Path, extra: list[str], tree: Path | None) -> dict:
@@ -94,6 +96,7 @@ def main() -> None:
     parser.add_argument("--export-flags", default="", help="more export flags, space-separated")
     parser.add_argument("--parity", default="", help="more parity flags, space-separated")
     parser.add_argument("--old-tree", type=Path, help="a checkout whose parity also judges the artifact")
+    parser.add_argument("--old-parity", default="", help="that checkout's parity flags, space-separated")
     parser.add_argument("--json", type=Path, help="write the verdicts here")
     args = parser.parse_args()
     (doctor_rotation if args.doctor == "rotation" else doctor_weights)(args.layer)
@@ -104,7 +107,7 @@ def main() -> None:
     result = {"command": "benchmarks/doctored_parity.py " + " ".join(sys.argv[1:]), "doctor": args.doctor,
               "layer": args.layer, "parity": verdicts(parity(args.out, args.parity.split(), None))}
     if args.old_tree:
-        result["old_parity"] = verdicts(parity(args.out, [], args.old_tree))
+        result["old_parity"] = verdicts(parity(args.out, args.old_parity.split(), args.old_tree))
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -183,3 +183,32 @@ def test_the_distribution_text_fits_the_context_and_stops_before_an_eos():
     assert prompt == text[:32] and forced == text[32:1024] and len(prompt) + len(forced) == 1024
     prompt, forced = _forced_text(text, eos=[140], max_context=4096, tokens=2048)
     assert forced == text[32:40]
+
+
+def test_weights_read_back_are_held_to_the_source_checkpoint():
+    import copy
+
+    from oscar_export.export.graph import OscarCausalLM
+    from oscar_export.models import load_model
+    from oscar_export.parity import WEIGHT_GAIN_LIMIT, weight_gains
+
+    source = OscarCausalLM(load_model("bundled")[0], OscarConfig(), "hadamard").eval()
+    rounded = copy.deepcopy(source)
+    with torch.no_grad():  # every matrix on an asymmetric 4-bit grid per 32 inputs, as a weight format stores it
+        for module in rounded.modules():
+            if isinstance(module, torch.nn.Linear):
+                w = module.weight.unflatten(-1, (-1, 32))
+                lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+                step = (hi - lo) / 15
+                module.weight.copy_(((w - lo) / step).round().mul(step).add(lo).flatten(-2))
+    gains = weight_gains(rounded, source)
+    assert gains["ok"] and gains["tensors"] >= 4 * 7 and abs(gains["worst_gain"] - 1) < WEIGHT_GAIN_LIMIT
+    assert 0.01 < gains["max_rel_error"] < 0.2
+    with torch.no_grad():
+        for module in rounded.layers[1].modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.mul_(1.01)
+    gains = weight_gains(rounded, source)
+    assert not gains["ok"] and gains["worst"].startswith("layers.1.") and abs(gains["worst_gain"] - 1.01) < 2e-3
+    assert weight_gains(source, source) == {"tensors": 0, "worst": None, "worst_gain": None, "max_rel_error": 0.0,
+                                            "ok": True}
