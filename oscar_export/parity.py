@@ -300,14 +300,15 @@ def tokens_verdict(row: dict) -> str:
 DISTRIBUTION_TOKENS = 2048  # positions scored, when the artifact's context holds them (--kl-tokens)
 DISTRIBUTION_PROMPT = 32  # prefilled; every later position is fed one token at a time, as decoding feeds it
 
-# Runtime against reference, teacher-forced over the text: KL(reference || runtime) per position, its mean and 99.9th
-# percentile, and the share of positions whose top token agrees. One set for artifacts whose activations stay
-# float (the runtimes differ by float summation order only), one for those that round activations on the fly
-# (int8 codes flip where float differences cross a rounding boundary); docs/parity.md gives the measurements.
-DISTRIBUTION_LIMITS = {
-    "float activations": {"kl_mean": 1e-4, "kl_p999": 1e-2, "top1_agreement": 0.99},
-    "rounded activations": {"kl_mean": 5e-3, "kl_p999": 1e-1, "top1_agreement": 0.95},
-}
+# Runtime against reference, teacher-forced over the text: KL(reference || runtime) per position, judged on its mean
+# and 99th percentile. A runtime may add at most DISTRIBUTION_SHARE of what the artifact's weight format already
+# costs (the float model against the reference, the same statistic), and never less than the floor, which float
+# summation order alone reaches where the format costs nothing (float weights). Fixed: neither side of the runtime
+# being judged moves them. docs/parity.md gives the measurements.
+DISTRIBUTION_SHARE = 0.1
+DISTRIBUTION_FLOORS = {"kl_mean": 1e-4, "kl_p99": 1e-3}
+
+
 # Weights read back from the artifact against the source checkpoint's: the least-squares gain <a, b> / <b, b> of
 # each tensor. A 4-bit grid leaves it 2e-4 to 1.3e-3 above 1 (min-max rounding keeps each block's extremes exact);
 # a tensor rescaled by 1% or taken from elsewhere is far past the limit.
@@ -353,20 +354,20 @@ def distribution_parity(module, float_module, target, directory, manifest: dict,
 
     prompt, forced = _forced_text(text_ids, manifest["eos_token_ids"], manifest["max_context"], tokens)
     kind = "rounded activations" if target.rounds_activations(manifest) else "float activations"
-    limits = DISTRIBUTION_LIMITS[kind]
     reference = Distributions(eager_trace(module, manifest, prompt, len(forced), forced=forced)["logits"], forced)
     float_run = Distributions(eager_trace(float_module, manifest, prompt, len(forced), forced=forced)["logits"], forced)
+    weight_format = compare(float_run, reference)
+    limits = {key: max(floor, DISTRIBUTION_SHARE * weight_format[key]) for key, floor in DISTRIBUTION_FLOORS.items()}
     report = {"prompt_tokens": len(prompt), "positions": len(forced), "activations": kind, "limits": limits,
-              "reference_perplexity": reference.perplexity(),
-              "weight_format": compare(float_run, reference), "runtimes": {}, "unavailable": {}}
+              "reference_perplexity": reference.perplexity(), "weight_format": weight_format, "runtimes": {},
+              "unavailable": {}}
     for name, how in runtimes.items():
         got = target.trace(directory, manifest, name, prompt, len(forced), forced=forced)
         if "skipped" in got or got.get("logits") is None:
             report["unavailable"][name] = got.get("skipped", "gives tokens only, no logits: checked on its answers")
             continue
         row = compare(reference, Distributions(got["logits"], forced))
-        row["ok"] = (row["kl_mean"] <= limits["kl_mean"] and row["kl_p999"] <= limits["kl_p999"]
-                     and row["top1_agreement"] >= limits["top1_agreement"])
+        row["ok"] = all(row[key] <= limit for key, limit in limits.items())
         report["runtimes"][name] = {"how": how, **row}
     return report
 
@@ -546,9 +547,9 @@ def print_artifact_parity(report: dict, artifact, out) -> None:
     if (d := report["distribution"]) is not None:
         table = Table(title=f"Next-token distributions over {d['positions']} positions of the text, teacher-forced "
                             f"after a {d['prompt_tokens']}-token prompt, against the reference (perplexity "
-                            f"{d['reference_perplexity']:.3f}); limits for {d['activations']}: KL mean <= "
-                            f"{d['limits']['kl_mean']:g}, p99.9 <= {d['limits']['kl_p999']:g}, top-1 >= "
-                            f"{d['limits']['top1_agreement']:.0%}")
+                            f"{d['reference_perplexity']:.3f}, {d['activations']}); a runtime may add "
+                            f"{DISTRIBUTION_SHARE:g} of the weight format's cost: KL mean <= "
+                            f"{d['limits']['kl_mean']:.2e}, p99 <= {d['limits']['kl_p99']:.2e}")
         for col in ("run", "KL mean", "KL p99", "KL p99.9", "KL max", "top-1 agree", "ppl ratio", "verdict"):
             table.add_column(col)
 

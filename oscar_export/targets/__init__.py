@@ -118,8 +118,8 @@ class Target:
 
     def rounds_activations(self, manifest: dict) -> bool:
         """Whether the artifact's matmuls quantize their activations on the fly: rounding is a step function, so
-        float differences upstream flip codes and compound over the layers, and the distribution check of parity
-        --artifact holds it to wider limits (parity.DISTRIBUTION_LIMITS)."""
+        float differences upstream flip codes and compound over the layers, and parity --artifact judges its logits
+        on the probability scale only (parity.distribution_parity)."""
         return False
 
     def decode_profile(self, directory: Path, manifest: dict, runtime: str, ids: list[int], steps: int,

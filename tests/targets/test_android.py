@@ -23,7 +23,7 @@ from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig, OscarInputError  # noqa: E402
 from oscar_export.export.artifact import prompt_ids  # noqa: E402
 from oscar_export.export.pipeline import export_artifact, reference_trace  # noqa: E402
-from oscar_export.parity import DISTRIBUTION_LIMITS, compare_artifact_traces  # noqa: E402
+from oscar_export.parity import DISTRIBUTION_FLOORS, DISTRIBUTION_SHARE, compare_artifact_traces  # noqa: E402
 from oscar_export.targets.android import LIBRARY_FILE, MODEL_FILE  # noqa: E402
 from oscar_export.targets.android.et_runner import EtLM, kernel_error, stock_runner_generate  # noqa: E402
 from oscar_export.export.graph import CACHE_NAMES, OscarCausalLM, greedy  # noqa: E402
@@ -282,7 +282,9 @@ def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, capsys):
     assert pybind["codes_mismatch_fraction"] <= report["thresholds"]["codes_mismatch_fraction"]
     assert (runner["tokens_match"] or runner["near_tie"]) and runner["logits_max_rel_error"] is None
     dist = report["distribution"]
-    assert dist["limits"] == DISTRIBUTION_LIMITS["rounded activations"] and set(dist["runtimes"]) == {"executorch"}
+    assert set(dist["runtimes"]) == {"executorch"} and dist["activations"] == "rounded activations"
+    assert dist["limits"] == {key: max(floor, DISTRIBUTION_SHARE * dist["weight_format"][key])
+                              for key, floor in DISTRIBUTION_FLOORS.items()}
     assert "tokens only" in dist["unavailable"]["stock-runner"] and dist["runtimes"]["executorch"]["ok"]
     assert dist["weight_format"]["kl_mean"] > 10 * dist["runtimes"]["executorch"]["kl_mean"]
     answers = report["answers"]
