@@ -310,8 +310,8 @@ DISTRIBUTION_FLOORS = {"kl_mean": 1e-4, "kl_p99": 1e-3}
 
 
 # Weights read back from the artifact against the source checkpoint's: the least-squares gain <a, b> / <b, b> of
-# each tensor. A 4-bit grid leaves it 2e-4 to 1.3e-3 above 1 (min-max rounding keeps each block's extremes exact);
-# a tensor rescaled by 1% or taken from elsewhere is far past the limit.
+# each tensor. A 4-bit grid leaves it within 1.3e-3 of 1 (docs/parity.md); a tensor rescaled by 1% or taken from
+# elsewhere is far past the limit.
 WEIGHT_GAIN_LIMIT = 3e-3
 
 
