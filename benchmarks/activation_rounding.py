@@ -113,7 +113,8 @@ def main() -> None:
 
     names = {id(m): n for n, m in rounded.named_modules()}
     hooks_by_linear = {names[id(linear)]: hook for _, linear, hook in hooks}
-    observers = [linear.register_forward_pre_hook(observe(names[id(linear)])) for _, linear, _ in hooks]
+    observers = [linear.register_forward_pre_hook(observe(names[id(linear)]), prepend=True)  # before the rounding
+                 for _, linear, _ in hooks]
     run(rounded)
     for handle in observers:
         handle.remove()
