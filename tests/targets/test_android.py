@@ -286,7 +286,6 @@ def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, capsys):
     assert dist["limits"] == {key: max(floor, DISTRIBUTION_SHARE * dist["weight_format"][key])
                               for key, floor in DISTRIBUTION_FLOORS.items()}
     assert "tokens only" in dist["unavailable"]["stock-runner"] and dist["runtimes"]["executorch"]["ok"]
-    assert dist["weight_format"]["kl_mean"] > 10 * dist["runtimes"]["executorch"]["kl_mean"]
     answers = report["answers"]
     assert answers["ok"] and all(set(q["answers"]) == {"reference", "executorch", "stock-runner"}
                                  for q in answers["questions"])

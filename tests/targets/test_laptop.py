@@ -203,8 +203,6 @@ def test_cli_exports_4bit_weights_and_runs(tmp_path, float_artifact, prompt, cap
     assert dist["limits"] == {key: max(floor, DISTRIBUTION_SHARE * dist["weight_format"][key])
                               for key, floor in DISTRIBUTION_FLOORS.items()}
     assert dist["positions"] == 160 and set(dist["runtimes"]) == {"onnxruntime", "onnx-fallback"}
-    # 4-bit weights and int8 activations cost more than the runtimes add to them
-    assert dist["weight_format"]["kl_mean"] > 10 * max(row["kl_mean"] for row in dist["runtimes"].values())
     for name in ("onnxruntime", "onnx-fallback"):
         row, dist_row = report["runtimes"][name], dist["runtimes"][name]
         print(f"{name}: codes mismatch {row['codes_mismatch_fraction']:.2e}, KL mean {dist_row['kl_mean']:.2e}, "
