@@ -260,9 +260,14 @@ def test_run_and_parity_commands(artifact, capsys):
     run = json.loads(capsys.readouterr().out)
     assert len(run["tokens"]) <= 8 and isinstance(run["text"], str)
     # A short run: test_mil_program_matches_the_eager_graph makes the long comparison.
-    code = main(["parity", "--artifact", str(artifact), "--prompt-tokens", "340", "--steps", "3", "--json"])
+    code = main(["parity", "--artifact", str(artifact), "--prompt-tokens", "340", "--steps", "3", "--kl-tokens", "200",
+                 "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 0 and report["ok"] and report["target"] == "ios" and report["prompt_tokens"] == 340
+    # fp16 compute over the program's own 4-bit weights, read back for the reference and held to the source's
+    dist = report["distribution"]
+    assert dist["activations"] == "float activations" and dist["positions"] == 200 and report["weight_gains"]["ok"]
+    assert dist["runtimes"]["coreml-mil"]["ok"] and report["answers"]["ok"]
     row = report["runtimes"]["coreml-mil"]
     # parity's own bounds (docs/format.md, section 7): report["ok"] above holds every row to them.
     assert row["ok"] and row["tokens_match"] and row["codes_mismatch_fraction"] <= BOUNDS["codes"]
