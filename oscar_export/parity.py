@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .codec import unpack_codes
-from .config import OscarConfig
+from .config import OscarConfig, OscarInputError
 from .hf_cache import OscarCache, patch_model_for_kv_quant
 from .progress import progress
 from .targets import REFERENCE
@@ -184,8 +184,6 @@ def load_trace(path, manifest: dict) -> tuple[list[int], int, dict, dict]:
     """(prompt ids, steps, the reference trace, its metadata) from a file save_trace wrote for this artifact."""
     from safetensors import SafetensorError, safe_open
 
-    from .config import OscarInputError
-
     try:
         with safe_open(str(path), "np") as f:
             metadata = f.metadata() or {}
@@ -320,6 +318,10 @@ def _forced_text(text_ids: list[int], eos: list[int], max_context: int, tokens: 
     cut before any EOS id (a run stops there)."""
     forced = text_ids[DISTRIBUTION_PROMPT:DISTRIBUTION_PROMPT + min(tokens, max_context - DISTRIBUTION_PROMPT)]
     cut = next((i for i, t in enumerate(forced) if t in eos), len(forced))
+    if not cut:
+        raise OscarInputError(f"--kl-tokens: no position to score after the {DISTRIBUTION_PROMPT}-token prompt (context "
+                              f"{max_context}, or the text's next token is an EOS id): expected a context above "
+                              f"{DISTRIBUTION_PROMPT} and a text that goes on, or --kl-tokens 0")
     return text_ids[:DISTRIBUTION_PROMPT], forced[:cut]
 
 
@@ -481,10 +483,8 @@ def artifact_parity_command(args, out) -> int:
     """`oscar-export parity --artifact DIR [--save-trace FILE | --against FILE]`; `out` is the CLI console."""
     import json
 
-    from rich.table import Table
     from transformers import AutoTokenizer
 
-    from .config import OscarInputError
     from .export.artifact import load_manifest
     from .report import read_tokens
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from oscar_export.config import OscarConfig
+from oscar_export.config import OscarConfig, OscarInputError
 from oscar_export.distribution import Distributions, compare, kl_divergence
 from oscar_export.parity import (
     TIE_MARGIN,
@@ -183,6 +183,9 @@ def test_the_distribution_text_fits_the_context_and_stops_before_an_eos():
     assert prompt == text[:32] and forced == text[32:1024] and len(prompt) + len(forced) == 1024
     prompt, forced = _forced_text(text, eos=[140], max_context=4096, tokens=2048)
     assert forced == text[32:40]
+    for eos, context in (([], 32), ([132], 4096)):  # nothing left to score: one line, not a crash in numpy
+        with pytest.raises(OscarInputError, match="no position to score"):
+            _forced_text(text, eos=eos, max_context=context, tokens=2048)
 
 
 def test_weights_read_back_are_held_to_the_source_checkpoint():
