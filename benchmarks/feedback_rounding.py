@@ -42,7 +42,7 @@ from subspace_clustering import (  # noqa: E402
 
 from oscar_export.calibrate import fit_quantizer, fit_rotations  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate import EvalOscarKVCache, Fp16Cache  # noqa: E402
+from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache  # noqa: E402
 from oscar_export.hf_cache import attention_shape  # noqa: E402
 
 NEEDLE_SEEDS = 4

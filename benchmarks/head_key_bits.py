@@ -48,10 +48,12 @@ from subspace_clustering import (  # noqa: E402
 )
 
 from oscar_export.calibrate import clip_errors  # noqa: E402
-from oscar_export.cache import bits_per_element  # noqa: E402
+from oscar_export.sizes import bits_per_element  # noqa: E402
 from oscar_export.codec import dequantize, quantize  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate import EvalOscarKVCache, Fp16Cache, _oscar_method, token_nll  # noqa: E402
+from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache  # noqa: E402
+from oscar_export.evaluate.methods import oscar_method  # noqa: E402
+from oscar_export.evaluate.metrics import token_nll  # noqa: E402
 from oscar_export.hf_cache import attention_shape  # noqa: E402
 from oscar_export.tune import CHUNK, retrieval_probe  # noqa: E402
 
@@ -98,7 +100,7 @@ def main() -> None:
         sys.exit(f"--layers {args.layers!r}: expected counts between 1 and {layers - 1}")
     fitted = {}
     calibration = (calibration_text, CALIB_TOKENS, CALIB_HELDOUT)
-    perhead = _oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, fitted, per_head=True)
+    perhead = oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, fitted, per_head=True)
     rotations, heldout = fitted["rotations"], fitted["heldout"]
     base = replace(perhead.config, sink=0, recent=32)
     errors = clip_errors(heldout, rotations, replace(base, k_bits=WIDE_BITS), "k")

@@ -90,10 +90,11 @@ from subspace_clustering import (  # noqa: E402
 )
 
 from oscar_export.calibrate import clip_candidates, clip_errors  # noqa: E402
-from oscar_export.cache import bits_per_element  # noqa: E402
+from oscar_export.sizes import bits_per_element  # noqa: E402
 from oscar_export.calibrations import run_calibration  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate import EvalOscarKVCache, Fp16Cache, _oscar_method  # noqa: E402
+from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache  # noqa: E402
+from oscar_export.evaluate.methods import oscar_method  # noqa: E402
 from oscar_export.export.artifact import config_for  # noqa: E402
 from oscar_export.hf_cache import attention_shape  # noqa: E402
 from oscar_export.tune import Candidate, layer_gains  # noqa: E402
@@ -207,9 +208,9 @@ def main() -> None:
     calibration_ids = torch.tensor(tokenizer(calibration_text, verbose=False)["input_ids"][:SENSITIVITY_TOKENS])
 
     calibration = (calibration_text, CALIB_TOKENS, CALIB_HELDOUT)
-    default = _oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, {})
+    default = oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, {})
     fitted = {}
-    perhead = _oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, fitted,
+    perhead = oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, fitted,
                             per_head=True)
     rotations, heldout = fitted["rotations"], fitted["heldout"]
     cfg2 = perhead.config

@@ -49,11 +49,12 @@ from subspace_clustering import (  # noqa: E402
     quality_cells,
 )
 
-from oscar_export.cache import bits_per_element  # noqa: E402
+from oscar_export.sizes import bits_per_element  # noqa: E402
 from oscar_export.calibrate import fit_quantizer, fit_rotations  # noqa: E402
 from oscar_export.codec import _groups, check_finite, encode, encode_feedback, group_scale_zero, uniform_levels  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate import EvalOscarKVCache, Fp16Cache, SequenceKV  # noqa: E402
+from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache  # noqa: E402
+from oscar_export.evaluate.one_pass import SequenceKV  # noqa: E402
 from oscar_export.hf_cache import attention_shape  # noqa: E402
 
 NEEDLE_SEEDS = 4

@@ -15,5 +15,5 @@ start=$(date +%s)
     > "$out/$name.json.tmp" 2> >(grep --line-buffered -v -i "warn\|converting" | tee "$out/$name.log" >&2)
 mv "$out/$name.json.tmp" "$out/$name.json"
 echo "wall time: $(( $(date +%s) - start )) s" | tee -a "$out/$name.log"
-.venv/bin/python -c 'import json, sys; from rich.console import Console; from oscar_export.evaluate import print_table
+.venv/bin/python -c 'import json, sys; from rich.console import Console; from oscar_export.evaluate.tables import print_table
 print_table(json.load(open(sys.argv[1])), Console(width=200))' "$out/$name.json"

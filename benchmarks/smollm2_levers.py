@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate import evaluate  # noqa: E402
+from oscar_export.evaluate.driver import evaluate  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
 
 CONTEXTS = (2048, 4096, 8192)

@@ -52,22 +52,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from smollm2_levers import CONTEXTS, split_text  # noqa: E402
 
-from oscar_export.cache import bits_per_element  # noqa: E402
+from oscar_export.sizes import bits_per_element  # noqa: E402
 from oscar_export.calibrate import CLIP_CANDIDATES, ObjectiveAccumulators, clip_errors  # noqa: E402
 from oscar_export.capture import capture_qkv  # noqa: E402
 from oscar_export.codec import dequantize, quantize  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate import (  # noqa: E402
-    SPLIT_MARGIN,
-    EvalOscarKVCache,
-    Fp16Cache,
-    OnePass,
-    _oscar_method,
-    _text_tokens,
-    chunk_bounds,
-    needle_cases,
-    one_pass_logits,
-)
+from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache  # noqa: E402
+from oscar_export.evaluate.driver import SPLIT_MARGIN, text_tokens  # noqa: E402
+from oscar_export.evaluate.methods import oscar_method  # noqa: E402
+from oscar_export.evaluate.metrics import needle_cases  # noqa: E402
+from oscar_export.evaluate.one_pass import OnePass, chunk_bounds, one_pass_logits  # noqa: E402
 from oscar_export.hf_cache import attention_shape, route_attention  # noqa: E402
 from oscar_export.models import load_model  # noqa: E402
 from oscar_export.rotations import oscar_rotation  # noqa: E402
@@ -391,7 +385,7 @@ def load_split(split: str, needle: bool = True, needle_seeds: int = 1):
     if not GGUF.is_file():
         sys.exit("fetch the model first: bash scripts/fetch_smollm2.sh")
     model, tokenizer = load_model(str(GGUF))
-    calibration_text, ids = _text_tokens(tokenizer, split_text(split), CALIB_TOKENS + CALIB_HELDOUT + SPLIT_MARGIN)
+    calibration_text, ids = text_tokens(tokenizer, split_text(split), CALIB_TOKENS + CALIB_HELDOUT + SPLIT_MARGIN)
     cases = needle_cases(ids, NEEDLE_CONTEXT, NEEDLE_TOKENS, NEEDLE_PREFIX, NEEDLE_DEPTHS, needle_seeds) if needle else None
     return (model, tokenizer, calibration_text, ids[:BITS_CONTEXT], cases,
             NEEDLE_CONTEXT + 2 * len(NEEDLE_DEPTHS) * NEEDLE_TOKENS)
@@ -412,11 +406,11 @@ def main() -> None:
     # Baselines exactly as the lever sweep builds them (rotation fit, clip search).
     calibration = (calibration_text, CALIB_TOKENS, CALIB_HELDOUT)
     fitted_layer, fitted_head = {}, {}
-    oscar = _oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, fitted_layer)
+    oscar = oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, fitted_layer)
     cfg = oscar.config  # clip K/V searched on the held-out calibration tokens
     heldout = fitted_layer["heldout"]
     base_k, rot_v = fitted_layer["rotations"]["k"], fitted_layer["rotations"]["v"]
-    perhead = _oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, fitted_head,
+    perhead = oscar_method(model, tokenizer, "oscar-2", OscarConfig(), shape, None, calibration, fitted_head,
                             per_head=True)
     log(f"baselines calibrated: clip K {cfg.k_clip}, V {cfg.v_clip}; per-head clip K {perhead.config.k_clip}")
     proxy = {"oscar-2/g64": clip_errors(heldout, fitted_layer["rotations"], cfg, "k"),

@@ -1,18 +1,21 @@
 """oscar-export: OSCAR 2-bit KV cache for on-device language models."""
 
-from .cache import OscarKVCache, bits_per_element, cache_bytes
-from .codec import dequantize, quantize
+import importlib
+
 from .config import OscarConfig, OscarInputError
+from .sizes import bits_per_element, cache_bytes
 
 __version__ = "0.1.0"
 
+# Loaded on first use: torch (and, for the transformers integration, transformers) take seconds to import, and the
+# commands that only count bytes (plan, --help) need neither.
+_LAZY = {"OscarKVCache": "cache", "dequantize": "codec", "quantize": "codec", "OscarCache": "hf_cache",
+         "patch_model_for_kv_quant": "hf_cache"}
+
 
 def __getattr__(name: str):
-    # The transformers integration loads transformers, which is slow: only on first use.
-    if name in ("OscarCache", "patch_model_for_kv_quant"):
-        from . import hf_cache
-
-        return getattr(hf_cache, name)
+    if name in _LAZY:
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'oscar_export' has no attribute {name!r}")
 
 

@@ -10,56 +10,12 @@ import math
 
 import torch
 
-from .codec import (
-    body_bytes_per_vector,
-    check_feedback,
-    check_finite,
-    check_levels,
-    dequantize,
-    packed_bytes,
-    quantize,
-    torch_scale_dtype,
-)
+from .codec import check_feedback, check_finite, check_levels, dequantize, quantize, torch_scale_dtype
 from .config import OscarConfig, OscarInputError
+from .sizes import KINDS, capacities, packed_bytes
 
-KINDS = ("k", "v")
 WINDOW_DTYPE = torch.float16
 FP16_MAX = torch.finfo(torch.float16).max
-
-
-def capacities(config: OscarConfig, max_context: int) -> tuple[int, int, int]:
-    """(sink, recent, body) slots allocated for a cache that holds max_context tokens."""
-    sink = min(config.sink, max_context)
-    recent = min(config.recent, max(max_context - config.sink, 0))
-    body = max(max_context - config.sink - config.recent, 0)
-    return sink, recent, body
-
-
-def cache_bytes(config: OscarConfig, layers: int, kv_heads: int, head_dim: int, max_context: int) -> int:
-    """Bytes a cache of max_context tokens allocates: fp16 windows plus packed K and V bodies."""
-    sink, recent, body = capacities(config, max_context)
-    window = (sink + recent) * head_dim * 2 * 2  # K and V, 2 bytes each
-    packed = body * sum(_body_bytes_per_token(c, head_dim) for c in config.layers(layers))
-    return kv_heads * (layers * window + packed)
-
-
-def _body_bytes_per_token(config: OscarConfig, head_dim: int) -> int:
-    """Packed K plus V bytes of one body token in one KV head, for a one-width (per-layer) config."""
-    return sum(
-        body_bytes_per_vector(head_dim, config.bits(kind), config.cluster_dim, config.scale_bytes) for kind in KINDS
-    )
-
-
-def bits_per_element(config: OscarConfig, head_dim: int, context: int) -> float:
-    """Average stored bits per K/V element once `context` tokens are cached."""
-    if context <= 0:
-        raise OscarInputError(f"context={context}: expected a positive token count")
-    windows = min(context, config.sink + config.recent)
-    body = context - windows
-    layers = config.layers(len(config.k_bits_by_layer) or 1)
-    per_body_token = sum(_body_bytes_per_token(c, head_dim) for c in layers) / len(layers)
-    bits = windows * 2 * head_dim * 16 + body * per_body_token * 8
-    return bits / (context * 2 * head_dim)
 
 
 def buffer_layout(config: OscarConfig, layers: int, kv_heads: int, head_dim: int,

@@ -57,10 +57,6 @@ def thresholds(levels: torch.Tensor) -> torch.Tensor:
     return (levels[:-1] + levels[1:]) * 0.5
 
 
-def packed_bytes(head_dim: int, bits: int) -> int:
-    return head_dim * bits // 8
-
-
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """uint8 codes [..., n] (n a multiple of 8) -> packed uint8 [..., n * bits // 8]."""
     *lead, n = codes.shape
@@ -272,8 +268,3 @@ def fit_lloyd_max_levels(samples: torch.Tensor, bits: int, iterations: int = 50)
         if levels[i] <= levels[i - 1]:
             levels[i] = torch.nextafter(levels[i - 1], torch.tensor(float(n)))
     return check_levels(levels, bits)
-
-
-def body_bytes_per_vector(head_dim: int, bits: int, cluster_dim: int, scale_bytes: int) -> int:
-    """Bytes one quantized K or V vector takes in the packed body: codes + scale + zero per group."""
-    return packed_bytes(head_dim, bits) + (head_dim // cluster_dim) * 2 * scale_bytes

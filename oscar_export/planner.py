@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .cache import bits_per_element, cache_bytes
+from .sizes import bits_per_element, cache_bytes
 from .config import OscarConfig, OscarInputError
 from .models import ModelShape
 

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from .cache import OscarKVCache, bits_per_element
+from .cache import OscarKVCache
+from .sizes import bits_per_element
 from .capture import collect_qkv
 from .codec import dequantize, quantize
 from .config import OscarConfig, OscarInputError

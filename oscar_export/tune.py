@@ -2,11 +2,11 @@
 loses least, chosen on the calibration data alone.
 
 Candidates are the K and V bit widths, group sizes and fp16 window pairs (WINDOWS) whose cache stores
-at most B bits per element at `context` (cache.bits_per_element: the layout the planner counts). For
+at most B bits per element at `context` (sizes.bits_per_element: the layout the planner counts). For
 each (k_bits, v_bits, cluster_dim) only the largest windows that fit are kept: windows cost bits,
 never accuracy. Every candidate gets the calibration's clip search (calibrate.fit_quantizer, on the
 held-out calibration tokens); the `shortlist` with the lowest attention-output error (K's plus V's)
-are then scored by perplexity through the packed cache, in one pass (evaluate.one_pass_logits), of the
+are then scored by perplexity through the packed cache, in one pass (evaluate.one_pass.one_pass_logits), of the
 calibration text's first `context` tokens with a retrieval probe in them (retrieval_probe: spans of the text
 inserted into it and repeated at its end, as the needle evaluation does with other text). The probe is why:
 the clip search's attention-output error and plain perplexity both favour a hard K clip and spread bits
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .cache import bits_per_element
+from .sizes import bits_per_element
 from .config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
 
 # (sink, recent) fp16 tokens, the most tokens first (at equal totals the longer recent window).
@@ -95,9 +95,9 @@ def budget_candidates(budget: float, context: int, head_dim: int, lloyd_max: boo
 
 def retrieval_probe(ids):
     """The calibration tokens `ids` with a copy task in them: five spans of the text inserted at depths 0.1 to
-    0.9 of the rest, then repeated at its end (evaluate.needle_cases on calibration tokens: a few dozen tokens
+    0.9 of the rest, then repeated at its end (evaluate.metrics.needle_cases on calibration tokens: a few dozen tokens
     shorter than `ids`). Scored whole, its NLL counts ordinary prediction and retrieval from far back."""
-    from .evaluate import needle_cases
+    from .evaluate.metrics import needle_cases
 
     haystack = len(ids) - 3 * len(PROBE_DEPTHS) * PROBE_TOKENS
     if haystack < 2 * len(PROBE_DEPTHS) * PROBE_TOKENS:
@@ -134,7 +134,8 @@ def _nll(model, ids, config: OscarConfig, quantizer: dict, fitted: dict):
     """NLL [T - 1] of the calibration tokens `ids` through the packed cache of `config`, in one pass."""
     import torch
 
-    from .evaluate import EvalOscarKVCache, token_nll
+    from .evaluate.baselines import EvalOscarKVCache
+    from .evaluate.metrics import token_nll
 
     cache = EvalOscarKVCache(config, fitted["layers"], fitted["kv_heads"], fitted["head_dim"], len(ids),
                              quantizer["k_rotation"], quantizer["v_rotation"], quantizer.get("k_levels"),

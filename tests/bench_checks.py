@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from oscar_export.cache import cache_bytes
+from oscar_export.sizes import cache_bytes
 from oscar_export.config import OscarConfig
 
 

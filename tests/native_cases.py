@@ -17,7 +17,8 @@ import torch
 from safetensors.torch import load_file
 
 from oscar_export import OscarConfig
-from oscar_export.cache import OscarKVCache, capacities
+from oscar_export.cache import OscarKVCache
+from oscar_export.sizes import capacities
 
 VECTORS = Path(__file__).parent / "vectors"
 INDEX = json.loads((VECTORS / "index.json").read_text())

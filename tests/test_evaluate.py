@@ -12,27 +12,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from oscar_export.cache import OscarKVCache
-from oscar_export.cache import bits_per_element as oscar_bits
+from oscar_export.sizes import bits_per_element as oscar_bits
 from oscar_export.config import OscarConfig, OscarInputError
-from oscar_export.evaluate import (
-    EvalOscarKVCache,
-    Fp16Cache,
-    KiviCache,
-    OnePass,
-    OnlineOscarKVCache,
-    attention_errors,
-    bits_at,
-    build_methods,
-    chunk_bounds,
-    evaluate,
-    kivi_bits_per_element,
-    method_config,
-    needle_cases,
-    one_pass_attention,
-    one_pass_logits,
-    plot,
-    print_table,
-)
+from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache, KiviCache, OnlineOscarKVCache, bits_at, kivi_bits_per_element
+from oscar_export.evaluate.driver import evaluate
+from oscar_export.evaluate.methods import build_methods
+from oscar_export.evaluate.metrics import attention_errors, needle_cases
+from oscar_export.evaluate.one_pass import OnePass, chunk_bounds, one_pass_attention, one_pass_logits
+from oscar_export.evaluate.specs import method_config
+from oscar_export.evaluate.tables import plot, print_table
 from model_checks import LOGITS_RTOL, logits_rel_error
 from oscar_export.hf_cache import route_attention
 from oscar_export.models import BUNDLED_MODEL_DIR

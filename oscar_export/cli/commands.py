@@ -218,7 +218,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, offload_folder=args.offload_folder, max_memory=args.max_memory)
     budget = None
     if args.budget_bits is not None:
-        from ..evaluate import DEFAULT_LONGEST_CONTEXT
+        from ..evaluate.specs import DEFAULT_LONGEST_CONTEXT
 
         positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
         budget = (args.budget_bits, args.context or min(positions or DEFAULT_LONGEST_CONTEXT, DEFAULT_LONGEST_CONTEXT))

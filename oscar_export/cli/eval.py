@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .flags import add_cache_flags, calibration_config, config_from_args, number_list, positive_int
 from ..config import OscarConfig, OscarInputError
-from ..evaluate import DEFAULT_METHODS, METHODS, METRICS, method_config
+from ..evaluate.specs import DEFAULT_METHODS, METHODS, METRICS, method_config
 
 
 def _names(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
@@ -45,7 +45,8 @@ def _floats(text: str, flag: str) -> list[float]:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    from ..evaluate import evaluate, plot, print_table
+    from ..evaluate.driver import evaluate
+    from ..evaluate.tables import plot, print_table
 
     metadata = None
     if args.rotations is not None:  # a budget-chosen file sets the format every method is evaluated at

@@ -15,8 +15,10 @@ import torch
 from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
-from ..cache import KINDS, check_rotation, capacities
-from ..codec import packed_bytes, uniform_levels
+from ..cache import check_rotation
+from ..sizes import KINDS, capacities
+from ..codec import uniform_levels
+from ..sizes import packed_bytes
 from ..config import OscarConfig, OscarInputError
 from ..hf_cache import attention_shape, resolve_rotations
 from ..ops.attention import BUFFER_SCALE_DTYPES, CACHE_NAMES

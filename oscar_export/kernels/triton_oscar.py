@@ -36,16 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codec import (
-    Quantized,
-    check_finite,
-    check_levels,
-    dequantize,
-    packed_bytes,
-    thresholds,
-    torch_scale_dtype,
-    uniform_levels,
-)
+from ..codec import Quantized, check_finite, check_levels, dequantize, thresholds, torch_scale_dtype, uniform_levels
+from ..sizes import packed_bytes
 from ..config import SCALE_DTYPES, SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarInputError
 
 # Scale dtypes as the kernels see them. bf16 is stored through its raw bits (int16) so the

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cache import OscarKVCache, buffer_layout, capacities
+from ..cache import OscarKVCache, buffer_layout
+from ..sizes import capacities
 from ..config import OscarConfig, OscarInputError
 
 # One layer's cache buffers, in the op's input order (after q, k_new, v_new).

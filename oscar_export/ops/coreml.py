@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..cache import KINDS
+from ..sizes import KINDS
 
 INT32_MIN = -(2**31)
 # Per layer and kind, the outputs of attention_rows after `out`, in order.

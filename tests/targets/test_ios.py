@@ -215,7 +215,7 @@ def test_4bit_weights_shrink_the_package_and_still_match_their_eager_graph(artif
 
 def test_cache_bits_per_element_at_32k():
     """Bytes the app allocates for the model's cache inputs, against the format's formula."""
-    from oscar_export.cache import bits_per_element
+    from oscar_export.sizes import bits_per_element
 
     for model, cfg, head_dim in ((tiny_model("llama"), OscarConfig(), 64),
                                  (tiny_model("llama", head_dim=128), OscarConfig(cluster_dim=128), 128),

@@ -7,7 +7,7 @@ import torch
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-from oscar_export.cache import cache_bytes  # noqa: E402
+from oscar_export.sizes import cache_bytes  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
 from oscar_export.export.graph import OscarCausalLM  # noqa: E402

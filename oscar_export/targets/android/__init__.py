@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import shutil
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -194,12 +195,24 @@ def lower(module: nn.Module, max_context: int, max_chunk: int, metadata: dict, g
     buffers; returns the ExecutorchProgramManager. graph_passes: run on the exported graph, which is then
     exported again (as ExecuTorch's LLM export runs its canonical passes). spend_weights: free each quantized
     linear's weights once XNNPACK has packed them (xnnpack_packs_weights_once), leaving `module` unusable."""
-    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
-    from torch.export import Dim, export
+    from torch.export import Dim
 
     inputs = (torch.zeros(1, min(2, max_chunk), dtype=torch.long), torch.zeros(1, dtype=torch.long))
     dims = ({1: Dim("tokens", min=1, max=max_chunk)}, None)
+    with warnings.catch_warnings():
+        # Raised inside torch.export's and ExecuTorch's own pytree code, once per pass; nothing the user can change.
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
+        # The cache buffers' initial bytes are never read: `length` says how much of them holds tokens.
+        warnings.filterwarnings("ignore", message="Mutation on a buffer in the model is detected", category=UserWarning)
+        return _lower(module, inputs, dims, metadata, graph_passes, spend_weights)
+
+
+def _lower(module, inputs, dims, metadata, graph_passes, spend_weights):
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
+    from torch.export import export
+
     with torch.no_grad():
         program = export(module, inputs, dynamic_shapes=dims, strict=False)
         if graph_passes:

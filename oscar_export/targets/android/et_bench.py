@@ -106,8 +106,8 @@ def _median_ms(loaded: tuple, inputs: list) -> float:
 def oscar_step(config: OscarConfig, context: int, q_heads: int, kv_heads: int, head_dim: int, gen):
     """(cache, loaded program, inputs): one decode step of oscar::attention over a cache of `context` slots
     holding context - 1 tokens of random codes and windows; each run appends the last one."""
-    from ...cache import capacities
-    from ...codec import packed_bytes
+    from ...sizes import capacities
+    from ...sizes import packed_bytes
 
     s, w, b = capacities(config, context)
     groups = head_dim // config.cluster_dim

@@ -205,7 +205,7 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
 
 
 def _oscar_cache_bytes(model, config: OscarConfig, context: int) -> int:
-    from ...cache import cache_bytes
+    from ...sizes import cache_bytes
     from ...hf_cache import attention_shape
 
     layers, kv_heads, head_dim, _ = attention_shape(model)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...cache import KINDS
+from ...sizes import KINDS
 from ...config import OscarInputError
 from ...ops.coreml import ROW_NAMES, RowsComposition, register_coreml_ops
 from ...export.graph import OscarCausalLM

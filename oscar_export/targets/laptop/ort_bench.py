@@ -15,8 +15,8 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
-from ...cache import capacities
-from ...codec import packed_bytes
+from ...sizes import capacities
+from ...sizes import packed_bytes
 from ...config import OscarConfig
 from ...export.bench import add_traffic, check_bench_args, copy_bandwidth, stored_scales
 from ...ops.attention import ATTRIBUTES, CACHE_NAMES, INPUTS

@@ -1,0 +1,54 @@
+"""The packed format's sizes, in plain integers: the slots and bytes a cache allocates and its bits per element.
+
+Torch-free, so the planner and the commands that only count bytes start without loading a tensor library.
+"""
+
+from __future__ import annotations
+
+from .config import OscarConfig, OscarInputError
+
+KINDS = ("k", "v")
+
+
+def packed_bytes(head_dim: int, bits: int) -> int:
+    return head_dim * bits // 8
+
+
+def body_bytes_per_vector(head_dim: int, bits: int, cluster_dim: int, scale_bytes: int) -> int:
+    """Bytes one quantized K or V vector takes in the packed body: codes + scale + zero per group."""
+    return packed_bytes(head_dim, bits) + (head_dim // cluster_dim) * 2 * scale_bytes
+
+
+def capacities(config: OscarConfig, max_context: int) -> tuple[int, int, int]:
+    """(sink, recent, body) slots allocated for a cache that holds max_context tokens."""
+    sink = min(config.sink, max_context)
+    recent = min(config.recent, max(max_context - config.sink, 0))
+    body = max(max_context - config.sink - config.recent, 0)
+    return sink, recent, body
+
+
+def cache_bytes(config: OscarConfig, layers: int, kv_heads: int, head_dim: int, max_context: int) -> int:
+    """Bytes a cache of max_context tokens allocates: fp16 windows plus packed K and V bodies."""
+    sink, recent, body = capacities(config, max_context)
+    window = (sink + recent) * head_dim * 2 * 2  # K and V, 2 bytes each
+    packed = body * sum(_body_bytes_per_token(c, head_dim) for c in config.layers(layers))
+    return kv_heads * (layers * window + packed)
+
+
+def _body_bytes_per_token(config: OscarConfig, head_dim: int) -> int:
+    """Packed K plus V bytes of one body token in one KV head, for a one-width (per-layer) config."""
+    return sum(
+        body_bytes_per_vector(head_dim, config.bits(kind), config.cluster_dim, config.scale_bytes) for kind in KINDS
+    )
+
+
+def bits_per_element(config: OscarConfig, head_dim: int, context: int) -> float:
+    """Average stored bits per K/V element once `context` tokens are cached."""
+    if context <= 0:
+        raise OscarInputError(f"context={context}: expected a positive token count")
+    windows = min(context, config.sink + config.recent)
+    body = context - windows
+    layers = config.layers(len(config.k_bits_by_layer) or 1)
+    per_body_token = sum(_body_bytes_per_token(c, head_dim) for c in layers) / len(layers)
+    bits = windows * 2 * head_dim * 16 + body * per_body_token * 8
+    return bits / (context * 2 * head_dim)
