@@ -12,7 +12,7 @@ without the earlier turns. For example, with the real model at hand:
 
 import argparse
 
-from oscar_export.export.pipeline import run_artifact
+from oscar_export.run import run_artifact
 
 
 def main() -> None:

@@ -163,7 +163,7 @@ def save_trace(path, directory, ids: list[int], steps: int) -> dict:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from .export.pipeline import open_artifact, reference_trace
+    from .run import open_artifact, reference_trace
     from .rotation_files import write_atomically
 
     directory, manifest, _ = open_artifact(directory)
@@ -382,7 +382,7 @@ def answers_parity(module, target, directory, manifest: dict, runtimes: dict) ->
 
     from .answers import ANSWER_TOKENS, is_right, questions_for
     from .export.artifact import eager_trace, prompt_ids
-    from .export.pipeline import chat_prompt
+    from .run import chat_prompt
 
     model, questions = questions_for(manifest["model"]["source"])
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
@@ -415,14 +415,14 @@ def answers_parity(module, target, directory, manifest: dict, runtimes: dict) ->
 def run_artifact_parity(directory, ids: list[int], steps: int, against=None, text_ids: list[int] | None = None,
                         distribution_tokens: int = DISTRIBUTION_TOKENS, answers: bool = True) -> dict:
     """Every runtime of the artifact's target that runs here against the reference: the eager graph with the
-    artifact's own weights (export/pipeline.reference_trace), run now, or `against`, a trace file recorded elsewhere
+    artifact's own weights (run.reference_trace), run now, or `against`, a trace file recorded elsewhere
     with save_trace (then its prompt and steps apply). Three checks: the tokens, logits and codes of a greedy run
     fed the reference's tokens; the next-token distributions over `text_ids` teacher-forced (distribution_parity,
     with the float model's row and the weights against the source's); the known questions' answers."""
     import copy
 
     from .export.artifact import eager_module, eager_trace
-    from .export.pipeline import open_artifact
+    from .run import open_artifact
 
     directory, manifest, target = open_artifact(directory)
     if against is not None:  # checked before the model loads

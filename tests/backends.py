@@ -184,7 +184,7 @@ class Kernel:
     """oscar::attention.out as registered in ExecuTorch, called through the test hook."""
 
     def __init__(self, build_dir: Path):
-        from oscar_export.targets.android.et_runner import kernel_error, load_kernels
+        from oscar_export.targets.android.runner import kernel_error, load_kernels
 
         load_kernels(build_dir / "liboscar_executorch.so")
         self.error = kernel_error

@@ -1,4 +1,4 @@
-"""bench attention's traffic columns (oscar_export/export/bench.py), the same on every runtime: the bytes
+"""bench attention's traffic columns (oscar_export/bench/common.py), the same on every runtime: the bytes
 a decode step reads against the cache sizes the planner computes, and the rates derived from them."""
 
 from __future__ import annotations

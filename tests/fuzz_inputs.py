@@ -173,7 +173,7 @@ data = (work / name).read_bytes()
 manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 (work / MANIFEST).write_text(json.dumps(manifest))  # the manifest vouches for the damage: the loaders see it
 try:
-    from oscar_export.targets.laptop.ort_runner import OrtLM
+    from oscar_export.targets.laptop.runner import OrtLM
     OrtLM(work, "onnxruntime" if name != "model_fallback.onnx" else "onnx-fallback", threads=1).prefill([1, 2, 3])
 except OscarInputError as err:
     print("refused" if "\\n" not in str(err) else "traceback")
@@ -290,9 +290,10 @@ def main() -> int:
         artifact = args.artifact
         if artifact is None:
             from oscar_export.export.pipeline import export_artifact
+            from oscar_export.targets import get
 
             artifact = tmp / "artifact"
-            export_artifact("laptop", "bundled", artifact, "hadamard", 256, float_weights=True)
+            export_artifact(get("laptop"), "bundled", artifact, "hadamard", 256, float_weights=True)
         results = run(args.cases, args.seed, artifact, tmp, args.native_cases)
     bad = 0
     for family, counts in results.items():

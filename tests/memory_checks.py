@@ -1,4 +1,4 @@
-"""bench memory (oscar_export/export/memory_bench.py) on an artifact of any target: the same checks."""
+"""bench memory (oscar_export/bench/memory.py) on an artifact of any target: the same checks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import pytest
 
 from oscar_export.config import OscarInputError
-from oscar_export.export.memory_bench import bench_artifact_memory
+from oscar_export.bench.memory import bench_artifact_memory
 
 
 def check_bench_memory(artifact) -> None:

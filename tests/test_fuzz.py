@@ -12,9 +12,10 @@ CASES, NATIVE_CASES = 60, 6
 @pytest.mark.skipif(not ort_op_buildable(), reason="the laptop artifact needs cmake, g++ and ONNX Runtime headers")
 def test_damaged_inputs_are_refused_never_crash(tmp_path):
     from oscar_export.export.pipeline import export_artifact
+    from oscar_export.targets import get
 
     artifact = tmp_path / "artifact"
-    export_artifact("laptop", "bundled", artifact, "hadamard", 256, float_weights=True)
+    export_artifact(get("laptop"), "bundled", artifact, "hadamard", 256, float_weights=True)
     results = run(CASES, seed=0, artifact=artifact, tmp=tmp_path, native_cases=NATIVE_CASES)
     for family, counts in results.items():
         print(f"{family}: " + ", ".join(f"{key} {counts.get(key, 0)}" for key in OUTCOMES))

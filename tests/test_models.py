@@ -11,7 +11,9 @@ from gguf_files import write_bundled_gguf
 
 from oscar_export.cli import main
 from oscar_export.config import OscarInputError
-from oscar_export.export.pipeline import export_artifact, run_artifact
+from oscar_export.export.pipeline import export_artifact
+from oscar_export.run import run_artifact
+from oscar_export.targets import get
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model, model_shape
 
 TEXT = "KING.\nWhat say you, my lord?"
@@ -44,7 +46,7 @@ def test_weights_and_tokenizer_load_as_the_checkpoint(gguf_file, tmp_path, half)
 def test_an_export_from_gguf_runs_as_the_checkpoint_does(gguf_file, tmp_path):
     config = dict(k_bits=2, v_bits=2, sink=4, recent=8)
     for name, model in (("gguf", str(gguf_file)), ("bundled", "bundled")):
-        manifest = export_artifact("laptop", model, tmp_path / name, "hadamard", 128, float_weights=True, **config)
+        manifest = export_artifact(get("laptop"), model, tmp_path / name, "hadamard", 128, float_weights=True, **config)
         assert manifest["model"]["layers"] == 4
     got = run_artifact(tmp_path / "gguf", TEXT, 12, "onnxruntime", 1)
     assert got == run_artifact(tmp_path / "bundled", TEXT, 12, "onnxruntime", 1)
@@ -91,6 +93,6 @@ def test_a_model_larger_than_memory_is_refused_before_loading(monkeypatch, tmp_p
     with pytest.raises(OscarInputError, match=r"GiB in fp32 .* --target laptop \(and android\) streams"):
         load_model("bundled")
     # A streamed export never loads the whole model: the same limit does not stop it.
-    manifest = export_artifact("laptop", "bundled", tmp_path / "art", rotations="hadamard", max_context=512)
+    manifest = export_artifact(get("laptop"), "bundled", tmp_path / "art", rotations="hadamard", max_context=512)
     assert manifest["target"] == "laptop" and (tmp_path / "art" / "model.onnx").is_file()
     assert models.fp32_bytes(model_shape("llama-3-8b")) / 2**30 == pytest.approx(29.9, abs=0.05)  # 8.03B params

@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..bench import RUNTIMES, BenchRequest, kinds, measurer as bench_module
 from ..config import OscarInputError
 from ..targets import get, names, registry
 from .flags import (Parser, add_cache_flags, config_from_args, contexts, export_parser, export_rotations, positive_int,
@@ -53,7 +54,7 @@ def export_target(argv: list[str]) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from ..export.pipeline import run_artifact
+    from ..run import run_artifact
 
     try:
         (args.prompt or args.chat).encode("utf-8")
@@ -67,14 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_targets() -> dict:
-    """bench --runtime name -> the target whose runtime it is, for targets that benchmark something."""
-    return {t.runtime: t for t in registry().values() if t.bench_kinds}
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..targets import BenchRequest
-
     if args.artifact is not None:
         return _bench_artifact(args)
     if args.what == "memory":
@@ -84,29 +78,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for flag, value in (("--gguf", args.gguf), ("--profile", args.profile)):
         if value:
             raise OscarInputError(f"bench {flag} measures a shipped artifact: expected --artifact DIR with it")
-    runtimes = bench_targets()
+    owners = {t.runtime: t for t in registry().values()}  # the target whose packages each runtime needs
     if args.runtime is None:  # the first runtime that measures this and can run here
-        usable = [r for r, t in runtimes.items() if args.what in t.bench_kinds and t.missing() is None]
-        args.runtime = (usable or list(runtimes))[0]
-    target = runtimes[args.runtime]
-    if args.what not in target.bench_kinds:
-        raise OscarInputError(f"bench {args.what} --runtime {args.runtime}: not available for the {target.name} "
-                              f"target: expected one of {target.bench_kinds}")
-    missing = target.missing()
+        usable = [r for r in RUNTIMES if args.what in kinds(r) and owners[r].missing() is None]
+        args.runtime = (usable or list(RUNTIMES))[0]
+    if args.what not in kinds(args.runtime):
+        raise OscarInputError(f"bench {args.what} --runtime {args.runtime}: not measured on {args.runtime}: "
+                              f"expected one of {kinds(args.runtime)}")
+    missing = owners[args.runtime].missing()
     if missing:
         raise OscarInputError(f"bench --runtime {args.runtime}: {missing}")
     request = BenchRequest(contexts(args.context or "4096,32768"), args.model, config_from_args(args),
                            args.threads or None, args.steps or 64, args.float_weights)
-    report = target.bench(args.what, request)
+    measurer = bench_module(args.runtime, args.what)
+    report = measurer.measure(request)
     if args.json:
         print(json.dumps(report, indent=2))
     else:
-        target.print_bench(args.what, request, report)
+        from ..bench.tables import print_report
+
+        print_report(args.what, RUNTIMES[args.runtime].label, request, report, measurer.CONTESTANTS)
     return 0
 
 
 def _bench_artifact(args: argparse.Namespace) -> int:
-    from ..export.decode_bench import bench_artifact_decode, print_artifact_decode
+    from ..bench.artifact_decode import bench_artifact_decode, print_artifact_decode
 
     if args.what == "memory":
         return _bench_memory(args)
@@ -124,7 +120,7 @@ def _bench_artifact(args: argparse.Namespace) -> int:
 
 
 def _bench_memory(args: argparse.Namespace) -> int:
-    from ..export.memory_bench import bench_artifact_memory, print_artifact_memory
+    from ..bench.memory import bench_artifact_memory, print_artifact_memory
 
     context = contexts(args.context) if args.context else [None]
     if len(context) != 1:
@@ -157,7 +153,6 @@ def add_target_commands(sub) -> None:
     p.add_argument("--json", action="store_true", help='print {"tokens": [...], "text": "..."}')
     p.set_defaults(func=cmd_run)
 
-    runtimes = bench_targets()
     p = sub.add_parser("bench", help="benchmark the OSCAR attention kernels and decoding",
                        description="attention: decode-attention latency of the OSCAR op against the runtime's own "
                                    "attention over the same context. decode: end-to-end decode tokens/s of the "
@@ -166,14 +161,14 @@ def add_target_commands(sub) -> None:
                                    "ExecuTorch: custom_sdpa's fp32 cache and its int8 quantized cache). Same "
                                    "threads, measured in one run. memory (--artifact): the artifact's peak run-time memory "
                                    "with its cache full, in a fresh process, against the planner's numbers.")
-    p.add_argument("what", choices=(*dict.fromkeys(k for t in runtimes.values() for k in t.bench_kinds), "memory"))
+    p.add_argument("what", choices=(*dict.fromkeys(k for r in RUNTIMES for k in kinds(r)), "memory"))
     p.add_argument("--steps", type=positive_int,
                    help="decode: timed greedy steps per context (default 64); memory: decode steps (default 4)")
     p.add_argument("--device-memory", help="memory: judge the peak against this device (e.g. 8GB) less the "
                                            "planner's reserve (default: the artifact's plan)")
-    p.add_argument("--runtime", choices=tuple(runtimes),
+    p.add_argument("--runtime", choices=tuple(RUNTIMES),
                    help="runtime whose kernels and baselines are timed (default: the first installed one that "
-                        "measures WHAT: " + ", ".join(f"{r} ({'/'.join(t.bench_kinds)})" for r, t in runtimes.items())
+                        "measures WHAT: " + ", ".join(f"{r} ({'/'.join(kinds(r))})" for r in RUNTIMES)
                         + ")")
     p.add_argument("--context", help="comma-separated contexts (default 4096,32768; with --artifact a quarter "
                                       "of its context and all of it)")

@@ -1,9 +1,11 @@
 """Export targets: one package per target under this folder, each registering one Target.
 
 A Target says what its artifact is (runtime, packages, defaults in a typed options dataclass),
-lowers the exportable graph and writes its files (export/pipeline.py does everything else),
-runs an artifact on each of its runtimes, traces it for parity, and benchmarks its kernels.
-The CLI's --target, `run`, `bench` and `parity` and `info` ask this registry; adding a target is
+lowers the exportable graph and writes its files (export/pipeline.py does everything else), runs an
+artifact on each of its runtimes and traces it for parity. Every target package has the same files:
+__init__.py declares and registers the Target and imports nothing heavy (the CLI reads every target
+to build its flags), lower.py writes the artifact, runner.py runs it; the runtime's benches live in
+oscar_export/bench/. The CLI's --target, `run`, `parity` and `info` ask this registry; adding a target is
 adding a package here.
 """
 
@@ -50,7 +52,6 @@ class Target:
     options: TargetOptions = TargetOptions()
     packages: tuple[str, ...] = ()  # distributions whose versions the manifest records; all must be installed
     runtimes: dict[str, str] = {}  # run/parity runtimes besides the reference: name -> how it runs
-    bench_kinds: tuple[str, ...] = ()  # what `bench` measures on this target's runtime
     float_weights_help: str = "keep float weights"
     # lower() takes a graph traced on the meta device and a source of its weights (export/streamed.py), so a
     # safetensors checkpoint larger than memory exports one layer at a time.
@@ -140,26 +141,6 @@ class Target:
         runner = self.runner(directory, manifest, runtime, 0)
         tokens, logits = runner.trace(ids, steps, manifest["eos_token_ids"], forced)
         return {"tokens": tokens, "logits": logits, "codes": runner.body_codes(), "forced": forced is not None}
-
-    # -- bench ---------------------------------------------------------------------------------
-
-    def bench(self, what: str, request: "BenchRequest") -> dict:
-        raise NotImplementedError
-
-    def print_bench(self, what: str, request: "BenchRequest", report: dict) -> None:
-        raise NotImplementedError
-
-
-@dataclass
-class BenchRequest:
-    """What `bench` was asked: contexts, the model whose shape is used, the cache config, threads, steps."""
-
-    contexts: list[int]
-    model: str
-    config: object
-    threads: int | None
-    steps: int
-    float_weights: bool = False  # decode: float32 weights in every variant instead of the target's own format
 
 
 _REGISTRY: dict[str, Target] = {}

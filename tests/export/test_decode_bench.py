@@ -11,8 +11,9 @@ onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
 from oscar_export.cli import main  # noqa: E402
-from oscar_export.export.decode_bench import LlamaCpp, bench_artifact_decode  # noqa: E402
+from oscar_export.bench.artifact_decode import LlamaCpp, bench_artifact_decode  # noqa: E402
 from oscar_export.export.pipeline import export_artifact  # noqa: E402
+from oscar_export.targets import get  # noqa: E402
 from oscar_export.models import load_model  # noqa: E402
 from oscar_export.report import read_tokens  # noqa: E402
 from oscar_export.native import ort_op_buildable  # noqa: E402
@@ -26,7 +27,7 @@ def artifact(tmp_path_factory):
     if not ort_op_buildable():
         pytest.skip("liboscar_ort.so needs cmake, g++ and ORT headers")
     out = tmp_path_factory.mktemp("bench") / "laptop"
-    export_artifact("laptop", "bundled", out, "hadamard", CONTEXT)  # 4-bit weights, as shipped
+    export_artifact(get("laptop"), "bundled", out, "hadamard", CONTEXT)  # 4-bit weights, as shipped
     return out
 
 

@@ -7,6 +7,7 @@ import pytest
 
 from oscar_export.cli import main
 from oscar_export.export.pipeline import export_artifact
+from oscar_export.targets import get
 from oscar_export.models import BUNDLED_MODEL_DIR
 
 TEMPLATE = "{% for m in messages %}<|bos|>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}" \
@@ -22,7 +23,7 @@ def artifacts(tmp_path_factory):
     (chat_model / "chat_template.jinja").write_text(TEMPLATE)
     config = dict(k_bits=2, v_bits=2, sink=4, recent=8)
     for name, model in (("chat", str(chat_model)), ("plain", "bundled")):
-        export_artifact("laptop", model, work / name, "hadamard", 128, float_weights=True, **config)
+        export_artifact(get("laptop"), model, work / name, "hadamard", 128, float_weights=True, **config)
     return work
 
 

@@ -20,10 +20,11 @@ from memory_checks import check_bench_memory
 from oscar_export.config import OscarConfig, OscarInputError
 from oscar_export.export.graph import OscarCausalLM
 from oscar_export.export.pipeline import export_artifact
+from oscar_export.targets import get
 from oscar_export.export.streamed import StreamedWeights, meta_model
 from oscar_export.models import load_model, model_shape
 from oscar_export.random_checkpoint import BUNDLED_VOCAB, checkpoint_config, write_checkpoint
-from oscar_export.targets.laptop.onnx_export import MODEL_FILE, export_onnx
+from oscar_export.targets.laptop.lower import MODEL_FILE, export_onnx
 
 NARROW = dict(shrink=8, vocab=BUNDLED_VOCAB)  # hidden 512, 4 q / 1 KV heads of 128, FFN 1792
 
@@ -107,15 +108,15 @@ def test_android_streamed_weights_equal_the_in_memory_ones(narrow):
     """Quantized part by part as the shards are read: the same torchao weights as quantizing the loaded model,
     and the meta skeleton keeps no weight of its own."""
     pytest.importorskip("torchao")
-    from oscar_export.targets.android import _quantize_artifact_weights
+    from oscar_export.targets.android.lower import quantize_artifact_weights
 
     config = OscarConfig()
     model, _ = load_model(str(narrow))
     memory = OscarCausalLM(model, config, "hadamard").eval()
-    _quantize_artifact_weights(memory, 32)
+    quantize_artifact_weights(memory, 32)
     meta, _ = meta_model(narrow)
     streamed = OscarCausalLM(meta, config, "hadamard").eval()
-    _quantize_artifact_weights(streamed, 32, StreamedWeights(streamed, meta, narrow))
+    quantize_artifact_weights(streamed, 32, StreamedWeights(streamed, meta, narrow))
     a, b = memory.state_dict(), streamed.state_dict()
     assert sorted(a) == sorted(b)
     assert type(b["layers.1.mlp.down_proj.weight"]).__name__ == "IntxUnpackedToInt8Tensor"
@@ -136,14 +137,14 @@ def test_streamed_export_names_a_missing_tensor(narrow, tmp_path):
     (broken / "model.safetensors.index.json").unlink()
     (broken / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(OscarInputError, match=r"tensors \['model.layers.1.mlp.up_proj.weight'\] are in no shard"):
-        export_artifact("laptop", str(broken), tmp_path / "out", rotations="hadamard", max_context=1024)
+        export_artifact(get("laptop"), str(broken), tmp_path / "out", rotations="hadamard", max_context=1024)
     assert not (tmp_path / "out").exists()
 
 
 def test_planner_matches_the_artifact_and_its_runtime_cache(narrow, tmp_path):
-    from oscar_export.targets.laptop.ort_runner import OrtLM
+    from oscar_export.targets.laptop.runner import OrtLM
 
-    manifest = export_artifact("laptop", str(narrow), tmp_path / "art", rotations="hadamard", max_context=4096)
+    manifest = export_artifact(get("laptop"), str(narrow), tmp_path / "art", rotations="hadamard", max_context=4096)
     plan = manifest["plan"]
     data = (tmp_path / "art" / "model.onnx.data").stat().st_size
     # MatMulNBits keeps fp32 scales and 4-bit zero points (4.5 bytes a group of 32) where the planner counts
@@ -159,7 +160,8 @@ def test_planner_matches_the_artifact_and_its_runtime_cache(narrow, tmp_path):
 _PEAK = """
 import resource, sys
 from oscar_export.export.pipeline import export_artifact
-export_artifact("laptop", sys.argv[1], sys.argv[2], rotations="hadamard", max_context=1024)
+from oscar_export.targets import get
+export_artifact(get("laptop"), sys.argv[1], sys.argv[2], rotations="hadamard", max_context=1024)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 """
 

@@ -159,8 +159,8 @@ THREAD_CAP = """
 import ctypes, os, sys
 import torch
 from oscar_export.config import OscarConfig
-from oscar_export.targets.android.et_bench import oscar_step
-from oscar_export.targets.android.et_runner import load_kernels, set_threads
+from oscar_export.bench.et_attention import oscar_step
+from oscar_export.targets.android.runner import load_kernels, set_threads
 
 def tasks():
     return len(os.listdir("/proc/self/task"))
@@ -181,7 +181,7 @@ assert tasks() > capped, ("uncapped, the same step should start the core's worke
 
 
 def test_thread_cap_keeps_the_kernel_on_the_hosts_threads():
-    """A host that sizes ExecuTorch's pool to N caps the kernel at N too (et_runner.set_threads): capped at one
+    """A host that sizes ExecuTorch's pool to N caps the kernel at N too (targets.android.runner.set_threads): capped at one
     thread, a 16K-token decode step starts no thread; uncapped, the same step starts the core's workers. In a
     fresh process, since the workers start once per process."""
     if (os.cpu_count() or 1) < 2:

@@ -22,10 +22,12 @@ pytest.importorskip("executorch.extension.pybindings.portable_lib")
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig, OscarInputError  # noqa: E402
 from oscar_export.export.artifact import prompt_ids  # noqa: E402
-from oscar_export.export.pipeline import export_artifact, reference_trace  # noqa: E402
+from oscar_export.export.pipeline import export_artifact  # noqa: E402
+from oscar_export.run import reference_trace  # noqa: E402
+from oscar_export.targets import get  # noqa: E402
 from oscar_export.parity import DISTRIBUTION_FLOORS, DISTRIBUTION_SHARE, compare_artifact_traces  # noqa: E402
-from oscar_export.targets.android import LIBRARY_FILE, MODEL_FILE  # noqa: E402
-from oscar_export.targets.android.et_runner import EtLM, kernel_error, stock_runner_generate  # noqa: E402
+from oscar_export.targets.android.lower import LIBRARY_FILE, MODEL_FILE  # noqa: E402
+from oscar_export.targets.android.runner import EtLM, kernel_error, stock_runner_generate  # noqa: E402
 from oscar_export.export.graph import CACHE_NAMES, OscarCausalLM, greedy  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
 from oscar_export.native import ROOT, executorch_dir  # noqa: E402
@@ -76,7 +78,7 @@ def reference(module, prompt):
 @pytest.fixture(scope="module")
 def float_artifact(tmp_path_factory):
     out = tmp_path_factory.mktemp("android") / "float"
-    export_artifact("android", "bundled", out, "hadamard", CONTEXT, float_weights=True, **CONFIG)
+    export_artifact(get("android"), "bundled", out, "hadamard", CONTEXT, float_weights=True, **CONFIG)
     return out
 
 
@@ -159,7 +161,7 @@ def test_kv_bytes_in_the_program_equal_the_plan(float_artifact):
 
 
 def test_missing_kernel_library_is_named(float_artifact):
-    code = ("from oscar_export.targets.android.et_runner import load_program\n"
+    code = ("from oscar_export.targets.android.runner import load_program\n"
             f"load_program({str(float_artifact / MODEL_FILE)!r}).load_method('forward')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and f"load {LIBRARY_FILE} first" in proc.stderr, proc.stderr[-2000:]
@@ -326,7 +328,7 @@ def test_per_layer_key_bits_run_in_executorch(tmp_path, prompt, tokenizer, scale
     buffers take their own width, and the program gives the eager module's tokens and, up to counted rounding,
     its codes and scale bits."""
     mixed = dict(CONFIG, k_bits_by_layer=(2, 3, 4, 2), k_clip_by_layer=(1.0, 0.9, 1.0, 0.8), scale_dtype=scale_dtype)
-    manifest = export_artifact("android", "bundled", tmp_path / "mixed", "hadamard", CONTEXT, float_weights=True,
+    manifest = export_artifact(get("android"), "bundled", tmp_path / "mixed", "hadamard", CONTEXT, float_weights=True,
                                **mixed)
     assert manifest["config"]["k_bits_by_layer"] == [2, 3, 4, 2] and manifest["config"]["scale_dtype"] == scale_dtype
     from executorch.extension.pybindings import portable_lib

@@ -10,7 +10,7 @@ pytest.importorskip("executorch.extension.pybindings.portable_lib")
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
-from oscar_export.targets.android.et_decode_bench import (EtCacheLM, EtCacheProgram,  # noqa: E402
+from oscar_export.bench.et_decode import (EtCacheLM, EtCacheProgram,  # noqa: E402
                                                           export_et_cache)
 
 CAPACITY, LENGTH = 512, 400

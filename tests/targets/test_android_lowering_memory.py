@@ -16,7 +16,7 @@ glibc = pytest.mark.skipif(platform.system() != "Linux" or not os.confstr("CS_GN
 # top above the others, so freeing them returns nothing unless each had its own mapping.
 PROBE = """
 import ctypes, sys
-from oscar_export.targets.android import return_freed_buffers_to_the_os
+from oscar_export.targets.android.lower import return_freed_buffers_to_the_os
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -53,12 +53,12 @@ def quantized_program(spend_weights: bool):
     from oscar_export.config import OscarConfig
     from oscar_export.export.graph import OscarCausalLM
     from oscar_export.models import load_model
-    from oscar_export.targets.android import ExecuTorchLM, _quantize_artifact_weights, lower
+    from oscar_export.targets.android.lower import ExecuTorchLM, quantize_artifact_weights, lower
 
     torch.manual_seed(0)
     module = OscarCausalLM(load_model("bundled")[0], OscarConfig(sink=16, recent=32), "hadamard").eval()
     module.layers = module.layers[:1]  # one layer's partitions show it; the rest only cost lowering time
-    _quantize_artifact_weights(module, 32)
+    quantize_artifact_weights(module, 32)
     linears = [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
     program = lower(ExecuTorchLM(module, 128).eval(), 128, 32, {}, spend_weights=spend_weights)
     return program.buffer, linears
@@ -86,7 +86,7 @@ UNTOUCHED_CACHE = """
 from oscar_export.config import OscarConfig
 from oscar_export.export.graph import OscarCausalLM
 from oscar_export.models import load_model
-from oscar_export.targets.android import ExecuTorchLM
+from oscar_export.targets.android.lower import ExecuTorchLM
 def resident():
     return int(open("/proc/self/statm").read().split()[1]) * 4096
 lm = OscarCausalLM(load_model("bundled")[0], OscarConfig(sink=16, recent=1 << 19), "hadamard").eval()

@@ -19,12 +19,14 @@ ct = pytest.importorskip("coremltools")
 
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig, OscarInputError  # noqa: E402
-from oscar_export.targets.ios import coreml  # noqa: E402
+from oscar_export.targets.ios import lower as ios_lower  # noqa: E402
 from oscar_export.ops import coreml as coreml_ops  # noqa: E402
 from oscar_export.export.artifact import eager_module, load_manifest  # noqa: E402
-from oscar_export.targets.ios.coreml_runner import CoreMLLM, coreml_available, load  # noqa: E402
+from oscar_export.targets.ios.runner import CoreMLLM, coreml_available, load  # noqa: E402
 from oscar_export.export.graph import OscarCausalLM  # noqa: E402
-from oscar_export.export.pipeline import export_artifact, reference_trace  # noqa: E402
+from oscar_export.export.pipeline import export_artifact  # noqa: E402
+from oscar_export.run import reference_trace  # noqa: E402
+from oscar_export.targets import get  # noqa: E402
 from oscar_export.targets.ios import cache_bits_per_element  # noqa: E402
 from oscar_export.targets.ios.mil_eval import MilProgram, saved_program, weights  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model, model_shape  # noqa: E402
@@ -115,11 +117,11 @@ def test_the_program_keeps_packed_words_in_int32(artifact):
     for i in range(LAYERS):
         for kind in "kv":
             assert builtin_to_string(main_fn.inputs[f"layer{i}_{kind}_codes"].dtype) == "int32"
-    assert coreml.packed_float_ops(program, *coreml.packed_names(LAYERS)) == []
+    assert ios_lower.packed_float_ops(program, *ios_lower.packed_names(LAYERS)) == []
     # The check walked the unpack of every packed input (>= 2 integer divisions each: bytes, then codes)
     # and the pack of every packed output.
-    inputs, outputs = coreml.packed_names(LAYERS)
-    path = coreml.packed_path(program, inputs, outputs)
+    inputs, outputs = ios_lower.packed_names(LAYERS)
+    path = ios_lower.packed_path(program, inputs, outputs)
     divs = [op for op in path if op.op_type == "floor_div"]
     assert len(divs) >= 2 * len(inputs) and all(builtin_to_string(op.outputs[0].dtype) == "int32" for op in divs)
     assert {var.op.name for var in main_fn.outputs if var.name in outputs} <= {op.name for op in path}
@@ -142,9 +144,9 @@ def convert_unpack(precision):
 def test_fp16_check_catches_an_unsafe_conversion(monkeypatch):
     """torch.div(..., rounding_mode='floor') goes through fp32 in coremltools and fp16 after its fp16 pass."""
     safe = convert_unpack(ct.precision.FLOAT16)  # our integer op survives the fp16 pass
-    assert coreml.packed_float_ops(safe, ["words"], []) == []
+    assert ios_lower.packed_float_ops(safe, ["words"], []) == []
     monkeypatch.setattr(coreml_ops, "_div", lambda x, d: torch.div(x, coreml_ops._i32(d), rounding_mode="floor"))
-    found = coreml.packed_float_ops(convert_unpack(ct.precision.FLOAT16), ["words"], [])
+    found = ios_lower.packed_float_ops(convert_unpack(ct.precision.FLOAT16), ["words"], [])
     print("unsafe conversion, float ops on packed data:", found)
     assert any(entry.startswith("floor_div") and "fp16" in entry for entry in found), found
 
@@ -170,14 +172,14 @@ def test_mil_eval_runs_the_program_with_its_dtypes():
 
 def test_4bit_weights_shrink_the_package_and_still_match_their_eager_graph(artifact, tmp_path, prompt):
     float_model = load(artifact)
-    small = coreml.compress_weights(float_model, 32)
+    small = ios_lower.compress_weights(float_model, 32)
     small.save(str(tmp_path / "int4.mlpackage"))
 
     def weights_size(package):
         return (package / "Data" / "com.apple.CoreML" / "weights" / "weight.bin").stat().st_size
 
     # The weight blobs: the program beside them (K feedback rounding unrolls into thousands of ops) is not weights.
-    float_size, blob = weights_size(artifact / coreml.MODEL_FILE), weights_size(tmp_path / "int4.mlpackage")
+    float_size, blob = weights_size(artifact / ios_lower.MODEL_FILE), weights_size(tmp_path / "int4.mlpackage")
     print(f"weight.bin: fp16 weights {float_size / 2**20:.2f} MiB, 4-bit {blob / 2**20:.2f} MiB")
     assert blob < 0.35 * float_size  # 4 bits + an fp16 scale per 32 weights, against 16 bits
     # What the planner counts for an ios export: every matrix (embeddings too) 4-bit symmetric, a tied head once.
@@ -222,7 +224,7 @@ def test_cache_bits_per_element_at_32k():
                                  (tiny_model("llama", head_dim=128), OscarConfig(cluster_dim=128, sink=16, recent=64),
                                   128)):
         module = OscarCausalLM(model, cfg, "hadamard")
-        layout = coreml.cache_inputs(module, 32768)
+        layout = ios_lower.cache_inputs(module, 32768)
         got = cache_bits_per_element(layout, 2, 2, head_dim, 32768)
         print(f"head_dim {head_dim}, cluster_dim {cfg.cluster_dim}, sink {cfg.sink} + recent {cfg.recent}: "
               f"{got:.4f} bits per K/V element at 32K")
@@ -302,7 +304,7 @@ def test_unconvertible_operation_names_the_op_and_the_layer():
     model.model.layers[0].mlp.act_fn = Lgamma()
     module = OscarCausalLM(model, OscarConfig(sink=4, recent=8), "hadamard").eval()
     with pytest.raises(OscarInputError) as err:
-        coreml.convert(module, 64, 16, float_weights=True)
+        ios_lower.convert(module, 64, 16, float_weights=True)
     message = str(err.value)
     print(message)
     assert "lgamma" in message and "layers.0.mlp" in message and len(message.splitlines()) == 1, message
@@ -329,7 +331,7 @@ def test_per_layer_key_bits_run_in_the_mil_program(tmp_path, prompt):
     their own width, and the program gives the eager graph's tokens, logits and, up to counted rounding, codes."""
     mixed = dict(k_bits=2, v_bits=2, cluster_dim=64, sink=16, recent=32, k_bits_by_layer=(2, 3, 4, 2),
                  k_clip_by_layer=(1.0, 0.9, 1.0, 0.8))
-    manifest = export_artifact("ios", "bundled", tmp_path / "mixed", "hadamard", 200, float_weights=True, **mixed)
+    manifest = export_artifact(get("ios"), "bundled", tmp_path / "mixed", "hadamard", 200, float_weights=True, **mixed)
     outputs = {row["name"]: row["shape"] for row in manifest["io"]["outputs"]}
     assert [outputs[f"layer{i}_k_body_codes"][-1] for i in range(LAYERS)] == [64 * b // 32 for b in (2, 3, 4, 2)]
     reference = reference_trace(tmp_path / "mixed", prompt[:100], 8)

@@ -25,6 +25,7 @@ from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
 from oscar_export.export.graph import CACHE_NAMES, OscarCausalLM, greedy  # noqa: E402
 from oscar_export.export.pipeline import export_artifact  # noqa: E402
+from oscar_export.targets import get  # noqa: E402
 from oscar_export.ops.onnx import DOMAIN, OP  # noqa: E402
 from oscar_export.parity import (  # noqa: E402
     ARTIFACT_THRESHOLDS,
@@ -32,7 +33,7 @@ from oscar_export.parity import (  # noqa: E402
     DISTRIBUTION_SHARE,
     run_artifact_parity,
 )
-from oscar_export.targets.laptop.ort_runner import OrtLM  # noqa: E402
+from oscar_export.targets.laptop.runner import OrtLM  # noqa: E402
 from oscar_export.hf_cache import OscarCache, patch_model_for_kv_quant  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
 from oscar_export.native import ort_op_buildable  # noqa: E402
@@ -72,7 +73,7 @@ def float_artifact(tmp_path_factory):
     if not ort_op_buildable():
         pytest.skip("liboscar_ort.so needs cmake, g++ and ORT headers")
     out = tmp_path_factory.mktemp("laptop") / "float"
-    export_artifact("laptop", "bundled", out, "hadamard", CONTEXT, float_weights=True, **CONFIG)
+    export_artifact(get("laptop"), "bundled", out, "hadamard", CONTEXT, float_weights=True, **CONFIG)
     return out
 
 
@@ -382,7 +383,7 @@ def test_per_layer_key_bits_run_in_onnx_runtime(tmp_path, prompt, scale_dtype):
     take their own width, and the runtimes give the eager module's tokens and, up to counted rounding, its codes
     and scale bits, on the native op and the pure-ONNX fallback alike."""
     mixed = dict(CONFIG, k_bits_by_layer=(2, 3, 4, 2), k_clip_by_layer=(1.0, 0.9, 1.0, 0.8), scale_dtype=scale_dtype)
-    manifest = export_artifact("laptop", "bundled", tmp_path / "mixed", "hadamard", CONTEXT, float_weights=True,
+    manifest = export_artifact(get("laptop"), "bundled", tmp_path / "mixed", "hadamard", CONTEXT, float_weights=True,
                                **mixed)
     assert manifest["config"]["k_bits_by_layer"] == [2, 3, 4, 2] and manifest["config"]["scale_dtype"] == scale_dtype
     fp8 = scale_dtype == "float8_e4m3fn"
@@ -418,7 +419,7 @@ def test_feedback_rounding_runs_in_onnx_runtime(tmp_path, prompt):
     path = tmp_path / "feedback.safetensors"
     save_rotations(path, RotationSet(k=rot, v=rot, metadata={"k_rounding": "feedback"}, k_feedback=weights))
     config = dict(CONFIG, k_rounding="feedback")
-    manifest = export_artifact("laptop", "bundled", tmp_path / "fb", str(path), CONTEXT, float_weights=True, **config)
+    manifest = export_artifact(get("laptop"), "bundled", tmp_path / "fb", str(path), CONTEXT, float_weights=True, **config)
     assert manifest["config"]["k_rounding"] == "feedback"
     want = {}
     for rounding in ("feedback", "nearest"):

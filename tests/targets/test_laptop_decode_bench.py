@@ -11,9 +11,9 @@ from oscar_export.sizes import cache_bytes  # noqa: E402
 from oscar_export.cli import main  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
 from oscar_export.export.graph import OscarCausalLM  # noqa: E402
-from oscar_export.targets.laptop.ort_decode_bench import (Fp32Decoder, bench_decode, fp32_decoder,  # noqa: E402
+from oscar_export.bench.ort_decode import (Fp32Decoder, bench_decode, fp32_decoder,  # noqa: E402
                                                          save_decoder)
-from oscar_export.targets.laptop.ort_runner import OrtLM  # noqa: E402
+from oscar_export.targets.laptop.runner import OrtLM  # noqa: E402
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
 from oscar_export.native import ort_op_buildable  # noqa: E402
 

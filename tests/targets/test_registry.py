@@ -13,7 +13,9 @@ import pytest
 from oscar_export import targets as registry_module
 from oscar_export.cli.main import build_parser
 from oscar_export.export.artifact import load_manifest
-from oscar_export.export.pipeline import export_artifact, reference_trace, run_artifact
+from oscar_export.bench import RUNTIMES
+from oscar_export.export.pipeline import export_artifact
+from oscar_export.run import reference_trace, run_artifact
 from oscar_export.parity import run_artifact_parity
 from oscar_export.targets import REFERENCE, Lowered, Target, TargetOptions, get, names, registry
 
@@ -38,7 +40,8 @@ def test_the_cli_offers_what_the_registry_holds():
     run_runtimes = {a.dest: a for a in sub["run"]._actions}["runtime"].choices
     assert set(run_runtimes) == {r for t in registry().values() for r in t.run_runtimes()}
     bench = {a.dest: a for a in sub["bench"]._actions}
-    assert set(bench["runtime"].choices) == {t.runtime for t in registry().values() if t.bench_kinds}
+    assert tuple(bench["runtime"].choices) == tuple(RUNTIMES)
+    assert set(RUNTIMES) <= {t.runtime for t in registry().values()}  # each needs its target's packages
 
 
 def _string_literals(path: Path) -> set[str]:
@@ -99,6 +102,35 @@ def test_no_import_cycles():
             visit(module, [])
 
 
+def _all_imports(path: Path, modules: set[str]) -> set[str]:
+    """oscar_export modules a module imports anywhere, inside functions too."""
+    name, is_package = _module(path), path.name == "__init__.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = name.split(".") if is_package else name.split(".")[:-1]
+            source = (".".join(base[:len(base) - node.level + 1] + ([node.module] if node.module else []))
+                      if node.level else node.module or "")
+            found.update(f"{source}.{alias.name}" if f"{source}.{alias.name}" in modules else source
+                         for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m in modules and m != name}
+
+
+def _unit(module: str) -> str:
+    """The package a module belongs to (oscar_export.targets.laptop.lower -> targets), or the top-level module."""
+    return module.split(".")[1] if module.count(".") else module
+
+
+def test_no_two_packages_import_each_other():
+    paths = {_module(p): p for p in PACKAGE.rglob("*.py")}
+    edges = {(_unit(m), _unit(dep)) for m, p in paths.items() for dep in _all_imports(p, set(paths))
+             if _unit(m) != _unit(dep)}
+    both = sorted((a, b) for a, b in edges if (b, a) in edges and a < b)
+    assert not both, f"packages importing each other (counting imports inside functions): {both}"
+
+
 @dataclasses.dataclass(frozen=True)
 class _NoteOptions(TargetOptions):
     max_chunk: int = 64
@@ -135,7 +167,7 @@ def notes_target(monkeypatch):
 
 def test_a_registered_target_goes_through_the_one_pipeline(notes_target, tmp_path):
     out = tmp_path / "notes"
-    manifest = export_artifact("notes", "bundled", out, "hadamard", 128, k_bits=2, v_bits=2, sink=4, recent=8)
+    manifest = export_artifact(get("notes"), "bundled", out, "hadamard", 128, k_bits=2, v_bits=2, sink=4, recent=8)
     assert get("notes") is notes_target and manifest["target"] == "notes" and manifest["note"] == "hello"
     note = json.loads((out / "note.json").read_text())
     assert note["max_chunk"] == 64 and manifest["max_chunk"] == 64  # the target's option, capped by the context

@@ -30,7 +30,7 @@ def cache_bits_per_element(layout: list, layers: int, kv_heads: int, head_dim: i
 
 def io_layout(module, max_context: int, max_chunk: int) -> dict:
     """The model's inputs and outputs as the app sees them (docs/ios.md)."""
-    from .coreml import cache_inputs
+    from .lower import cache_inputs
     from ...ops.coreml import ROW_NAMES
 
     h, d = module.kv_heads, module.head_dim
@@ -69,7 +69,7 @@ class IosTarget(Target):
     float_weights_help = "keep fp16 weights (default: 4-bit, coremltools.optimize linear quantization)"
 
     def check(self, options, config_fields, max_context):
-        from .coreml import check_layout, check_scale_dtype
+        from .lower import check_layout, check_scale_dtype
 
         defaults = OscarConfig()
         check_scale_dtype(config_fields.get("scale_dtype") or defaults.scale_dtype)
@@ -78,7 +78,7 @@ class IosTarget(Target):
 
     def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options,
               weights=None) -> Lowered:
-        from .coreml import MODEL_FILE, cache_inputs, convert
+        from .lower import MODEL_FILE, cache_inputs, convert
 
         mlmodel = convert(module, max_context, max_chunk, float_weights, weight_block=options.weight_block)
         shape = (len(module.layers), module.kv_heads, module.head_dim)
@@ -98,14 +98,14 @@ class IosTarget(Target):
                             io=io_layout(module, max_context, max_chunk), cache=cache))
 
     def runner(self, directory, manifest, runtime, threads):
-        from .coreml_runner import CoreMLLM, load
+        from .runner import CoreMLLM, load
 
         cfg = manifest["config"]
         return CoreMLLM(load(directory), runtime, manifest["model"]["layers"], cfg["sink"], cfg["recent"],
                         manifest["max_chunk"])
 
     def unavailable_runtimes(self):
-        from .coreml_runner import coreml_available
+        from .runner import coreml_available
 
         ok, why = coreml_available()
         return {} if ok else {"coreml": why}
@@ -114,7 +114,7 @@ class IosTarget(Target):
         """The eager graph with the weights the program stores (fp16, or 4-bit dequantized)."""
         import torch
 
-        from .coreml_runner import load
+        from .runner import load
         from .mil_eval import saved_program, weights
 
         module = super().artifact_module(directory, manifest, module)

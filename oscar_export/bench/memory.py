@@ -1,7 +1,7 @@
 """Run-time memory of an artifact as shipped: what the process takes with its cache full.
 
 bench_artifact_memory runs the measurement in a fresh Python process (`python -m
-oscar_export.export.memory_bench`), so nothing of the caller counts: it loads the artifact with its
+oscar_export.bench.memory`), so nothing of the caller counts: it loads the artifact with its
 target's runner, writes a synthetic valid cache state of `context - steps` tokens
 (runner.fill_synthetic: prefilling 32K tokens of an 8B model on a laptop CPU takes hours; the state's
 bytes and what a decode step reads are a real one's), decodes `steps` greedy tokens and reads the
@@ -34,7 +34,7 @@ def _status(field: str) -> int:
 
 def measure(directory, context: int, steps: int, threads: int, runtime: str | None) -> dict:
     """In this process: load, fill, decode; memory and times (run by bench_artifact_memory in a fresh one)."""
-    from .pipeline import check_runtime, open_artifact
+    from ..run import check_runtime, open_artifact
 
     directory, manifest, target = open_artifact(directory)
     runtime = check_runtime(target, runtime)
@@ -63,7 +63,7 @@ def bench_artifact_memory(directory, context: int | None = None, steps: int = 4,
     a fresh process, with the manifest's plan beside it. device_memory: the device to judge the peak against
     (default: the plan's), less the planner's reserve."""
     from ..planner import DEFAULT_RESERVE_FRACTION, parse_bytes
-    from .pipeline import open_artifact
+    from ..run import open_artifact
 
     directory, manifest, _ = open_artifact(directory)
     top = manifest["max_context"]

@@ -16,10 +16,9 @@ import onnxruntime as ort
 
 from ...config import OscarInputError
 from ...export.artifact import GreedyLM
-from .onnx_export import FALLBACK_FILE, MODEL_FILE
+from .lower import FALLBACK_FILE, LIBRARY_FILE, MODEL_FILE
 
 RUNTIMES = ("onnxruntime", "onnx-fallback")
-LIBRARY_FILE = "liboscar_ort.so"
 _DTYPES = {"tensor(float16)": np.float16, "tensor(uint8)": np.uint8, "tensor(float)": np.float32}
 
 
@@ -34,7 +33,7 @@ class OrtLM(GreedyLM):
         self.native, self.max_chunk = runtime == "onnxruntime", max_chunk
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
-        if profile_prefix:  # ONNX Runtime's profiler (ort_profile.py reads it)
+        if profile_prefix:  # ONNX Runtime's profiler (profile.py reads it)
             options.enable_profiling, options.profile_file_prefix = True, profile_prefix
         if self.native:
             if library is None:

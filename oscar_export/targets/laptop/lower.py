@@ -2,7 +2,7 @@
 
 model.onnx: each layer's attention is one `oscar.OscarAttention` node (runtime_ops/onnxruntime,
 docs/onnx_ops.md) fed straight from graph inputs `layer{i}.k_sink` ... `layer{i}.v_zero`, which the
-native op updates in place: the host binds persistent buffers once (ort_runner.py). The graph's
+native op updates in place: the host binds persistent buffers once (runner.py). The graph's
 only output is `logits`.
 
 model_fallback.onnx: the same graph and weights (it reads model.onnx.data) for a stock ONNX
@@ -32,6 +32,7 @@ from ...export.graph import OscarCausalLM
 from ...ops.onnx import make_fallback, register_schema, translate
 
 MODEL_FILE, DATA_FILE, FALLBACK_FILE = "model.onnx", "model.onnx.data", "model_fallback.onnx"
+LIBRARY_FILE = "liboscar_ort.so"
 
 
 def export_onnx(module: OscarCausalLM, directory: Path, max_context: int, max_chunk: int = 512,
@@ -254,3 +255,64 @@ def quantize_file(src: Path, dst: Path, block: int) -> None:
     model = ir.load(src)
     _artifact_weights(model, block)
     ir.save(model, dst, external_data=Path(dst).name + ".data")
+
+
+def load_stored_weights(module, directory: Path) -> None:
+    """Give the eager graph's linears the weights the artifact's MatMulNBits nodes store (dequantized, with their
+    int8 activation rounding) and its embedding table the fp16 rounding."""
+    linears = []  # in call order, which is the exporter's node order
+    hooks = [m.register_forward_hook(lambda m, *_: linears.append(m)) for m in module.modules()
+             if isinstance(m, torch.nn.Linear)]
+    with torch.no_grad():
+        module(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), *module.new_cache(1))
+    for hook in hooks:
+        hook.remove()
+    weights = _matmul_nbits_weights(directory / MODEL_FILE)
+    if len(weights) != len(linears):
+        raise OscarInputError(f"artifact {str(directory)!r} has {len(weights)} 4-bit matmuls for {len(linears)} "
+                              "linear layers: expected one per layer")
+    for linear, (weight, block, int8_activations) in zip(linears, weights):
+        linear.weight = torch.nn.Parameter(weight)  # a new parameter: unties a tied lm_head from the embeddings
+        if int8_activations:
+            linear.register_forward_pre_hook(lambda m, args, block=block: (_int8_blocks(args[0], block),))
+    embed = module.embed_tokens
+    embed.weight = torch.nn.Parameter(embed.weight.detach().half().float())
+
+
+def _int8_blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x rounded as MatMulNBits' int8 activations (MLAS CompInt8): per `block` values along the last dim,
+    codes round-half-even(x * 127 / amax), scale amax / 127. The matmul then differs from the runtime's
+    integer dots by float summation order only."""
+    k = x.shape[-1]
+    pad = -k % block
+    blocks = torch.nn.functional.pad(x.float(), (0, pad)).unflatten(-1, (-1, block))
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    out = torch.round(blocks * inverse) * (amax / 127.0)
+    return out.flatten(-2)[..., :k].to(x.dtype)
+
+
+def _matmul_nbits_weights(model_path: Path) -> list[tuple[torch.Tensor, int, bool]]:
+    """Each MatMulNBits node's weight [N, K] (4 or 8 bits), dequantized as ONNX Runtime does, in graph order,
+    with its block size and whether it computes with int8 activations (accuracy_level 4)."""
+    from onnx import numpy_helper
+
+    model = onnx.load(model_path)
+    init = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    weights = []
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        attr = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        n, k, block, bits = attr["N"], attr["K"], attr["block_size"], attr.get("bits", 4)
+
+        def unpack(packed):  # 4-bit: two codes per byte, low nibble first
+            return np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, -1) if bits == 4 else packed
+
+        q = unpack(init[node.input[1]].reshape(n, -1)).reshape(n, -1, block).astype(np.float32)
+        scale = init[node.input[2]].reshape(n, -1, 1)
+        zp = init[node.input[3]].reshape(n, -1) if len(node.input) > 3 and node.input[3] else None
+        zero = (unpack(zp)[:, :q.shape[1], None].astype(np.float32) if zp is not None else 2.0 ** (bits - 1))
+        weight = torch.from_numpy(((q - zero) * scale).reshape(n, -1)[:, :k].copy())
+        weights.append((weight, block, attr.get("accuracy_level", 0) == 4))
+    return weights

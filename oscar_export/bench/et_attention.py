@@ -22,11 +22,15 @@ import numpy as np
 import torch
 from torch import nn
 
-from ...config import OscarConfig
-from ...export.bench import add_traffic, check_bench_args, copy_bandwidth, stored_scales
-from ...ops.attention import CACHE_NAMES
+from ..config import OscarConfig
+from .common import add_traffic, check_bench_args, copy_bandwidth, stored_scales
+from ..ops.attention import CACHE_NAMES
 
 MIN_SECONDS, MIN_RUNS = 0.5, 10
+
+
+CONTESTANTS = {"oscar": ("OSCAR", None), "baseline": ("fp32 custom_sdpa", "speedup"),
+               "int8": ("int8 custom_quantized_sdpa", "speedup_vs_int8")}
 
 
 class _OscarStep(nn.Module):
@@ -106,8 +110,8 @@ def _median_ms(loaded: tuple, inputs: list) -> float:
 def oscar_step(config: OscarConfig, context: int, q_heads: int, kv_heads: int, head_dim: int, gen):
     """(cache, loaded program, inputs): one decode step of oscar::attention over a cache of `context` slots
     holding context - 1 tokens of random codes and windows; each run appends the last one."""
-    from ...sizes import capacities
-    from ...sizes import packed_bytes
+    from ..sizes import capacities
+    from ..sizes import packed_bytes
 
     s, w, b = capacities(config, context)
     groups = head_dim // config.cluster_dim
@@ -137,7 +141,7 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
     """Median decode-step latency of the three at each context; speedup = fp32 / oscar,
     speedup_vs_int8 = int8 / oscar; the bytes each step reads and their rate against this machine's copy
     bandwidth (measured first, same threads)."""
-    from .et_runner import load_executorch_llm_ops, load_kernels, set_threads
+    from ..targets.android.runner import load_executorch_llm_ops, load_kernels, set_threads
 
     config, threads = check_bench_args(contexts, q_heads, kv_heads, head_dim, config, threads)
     load_executorch_llm_ops()
@@ -184,3 +188,11 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
             "baseline": "llama::update_cache + llama::custom_sdpa, fp32 cache",
             "int8_baseline": "llama::update_cache + llama::custom_quantized_sdpa, int8 cache (inputs pre-quantized)",
             "config": config.to_dict()}
+
+def measure(request) -> dict:
+    """`bench attention` on one layer of the request's model."""
+    from ..models import model_shape
+
+    shape = model_shape(request.model)
+    return bench_attention(request.contexts, shape.q_heads, shape.kv_heads, shape.head_dim, request.config,
+                           request.threads)

@@ -15,14 +15,17 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper
 
-from ...sizes import capacities
-from ...sizes import packed_bytes
-from ...config import OscarConfig
-from ...export.bench import add_traffic, check_bench_args, copy_bandwidth, stored_scales
-from ...ops.attention import ATTRIBUTES, CACHE_NAMES, INPUTS
-from ...ops.onnx import DOMAIN, OP
+from ..sizes import capacities
+from ..sizes import packed_bytes
+from ..config import OscarConfig
+from .common import add_traffic, check_bench_args, copy_bandwidth, stored_scales
+from ..ops.attention import ATTRIBUTES, CACHE_NAMES, INPUTS
+from ..ops.onnx import DOMAIN, OP
 
 MIN_SECONDS, MIN_RUNS = 0.5, 10
+CONTESTANTS = {"oscar": ("OSCAR", None), "baseline": ("fp32 attention", "speedup")}
+
+
 _ONNX = {np.float32: TensorProto.FLOAT, np.float16: TensorProto.FLOAT16, np.uint8: TensorProto.UINT8,
          np.int64: TensorProto.INT64}
 
@@ -62,7 +65,7 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
                     config: OscarConfig | None = None, threads: int | None = None) -> dict:
     """Median decode-step latency of both kernels at each context; speedup = baseline / oscar; the bytes each
     step reads and their rate against this machine's copy bandwidth (measured first, same threads)."""
-    from ...native import ort_library_path
+    from ..native import ort_library_path
 
     config, threads = check_bench_args(contexts, q_heads, kv_heads, head_dim, config, threads)
     library = str(ort_library_path())
@@ -119,3 +122,11 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
         results.append(row)
     return {"results": results, "q_heads": q_heads, "kv_heads": kv_heads, "head_dim": head_dim,
             "threads": threads, "copy_GBps": round(copy_gbps, 3), "config": config.to_dict()}
+
+def measure(request) -> dict:
+    """`bench attention` on one layer of the request's model."""
+    from ..models import model_shape
+
+    shape = model_shape(request.model)
+    return bench_attention(request.contexts, shape.q_heads, shape.kv_heads, shape.head_dim, request.config,
+                           request.threads)

@@ -16,7 +16,7 @@ attention differs:
 Each program is exported once, with the largest context's capacity; each context loads it afresh and
 writes a synthetic state of that many tokens (decode cost does not depend on the values, and every
 attention reads only the cached tokens, so unused capacity costs nothing). Then all decode greedily in
-alternating turns (export/decode_bench.step_times); the median step gives tokens/s.
+alternating turns (bench/artifact_decode.step_times); the median step gives tokens/s.
 """
 
 from __future__ import annotations
@@ -27,12 +27,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...config import OscarConfig, OscarInputError
-from ...export.artifact import load_manifest
-from ...export.decode_bench import WARMUP, bench_setup, step_times
-from ...export.graph import OscarCausalLM, OscarDecoderLayer
-from . import AndroidTarget, _quantize_artifact_weights, lower
-from .et_runner import load_executorch_llm_ops
+from ..config import OscarConfig, OscarInputError
+from ..export.artifact import load_manifest
+from .common import WARMUP, bench_setup, step_times
+from ..export.graph import OscarCausalLM, OscarDecoderLayer
+from ..targets import get
+from ..targets.android import AndroidTarget
+from ..targets.android.lower import lower, quantize_artifact_weights
+from ..targets.android.runner import load_executorch_llm_ops
+
+# fp32: custom_sdpa's cache; int8: ExecuTorch's quantized KV cache.
+CONTESTANTS = {"oscar": ("OSCAR", None), "fp32": ("fp32", "speedup"), "int8": ("int8", "speedup_vs_int8")}
+
 
 CACHES = ("fp32", "int8")  # ExecuTorch's own caches, by the names the report uses
 
@@ -130,13 +136,13 @@ def export_et_cache(model_name: str, config: OscarConfig, kind: str, max_context
                     float_weights: bool) -> list[str]:
     """The program with ExecuTorch's cache of `kind`, lowered as the android target lowers its artifact; returns
     the names of its cache buffers."""
-    from ...models import load_model
+    from ..models import load_model
 
     options = AndroidTarget.options
     model, _ = load_model(model_name)  # its own copy: the graph shares the model's linears, which torchao replaces
     module = EtCacheLM(model, config, kind, max_context).eval()
     if not float_weights:
-        _quantize_artifact_weights(module, options.group_size)
+        quantize_artifact_weights(module, options.group_size)
     # ExecuTorch's LLM export removes the transposes its cache modules leave around update and SDPA; kept,
     # each step would copy every layer's whole cache.
     from executorch.extension.llm.export.export_passes import RemoveRedundantTransposes
@@ -156,8 +162,8 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
     Each variant starts from a synthetic cache of context - WARMUP - steps - 1 tokens, so the timed steps end
     one token short of `context`. work_dir keeps the programs (default: a temporary directory).
     """
-    from ...export.pipeline import export_artifact
-    from .et_runner import EtLM
+    from ..export.pipeline import export_artifact
+    from ..targets.android.runner import EtLM
 
     config, contexts, threads, model, rng = bench_setup(contexts, config, steps, threads, model_name)
     capacity = max(contexts)
@@ -165,7 +171,7 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
         work = Path(work_dir or temp)
         work.mkdir(parents=True, exist_ok=True)
         oscar_dir = work / "oscar"
-        export_artifact("android", model_name, oscar_dir, "hadamard", capacity, float_weights=float_weights,
+        export_artifact(get(AndroidTarget.name), model_name, oscar_dir, "hadamard", capacity, float_weights=float_weights,
                         **config.to_dict())
         names = {kind: export_et_cache(model_name, config, kind, capacity, work / f"{kind}.pte", float_weights)
                  for kind in CACHES}
@@ -205,9 +211,13 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
 
 
 def _oscar_cache_bytes(model, config: OscarConfig, context: int) -> int:
-    from ...sizes import cache_bytes
-    from ...hf_cache import attention_shape
+    from ..sizes import cache_bytes
+    from ..hf_cache import attention_shape
 
     layers, kv_heads, head_dim, _ = attention_shape(model)
     return cache_bytes(config, layers, kv_heads, head_dim, context)
 
+def measure(request) -> dict:
+    """`bench decode` of the request's model."""
+    return bench_decode(request.contexts, request.steps, request.threads, request.model, request.config,
+                        float_weights=request.float_weights)

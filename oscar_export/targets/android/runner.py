@@ -22,7 +22,7 @@ import torch
 
 from ...config import OscarInputError
 from ...export.artifact import GreedyLM
-from . import LIBRARY_FILE, MODEL_FILE
+from .lower import LIBRARY_FILE, MODEL_FILE
 from ...ops.attention import CACHE_NAMES
 
 RUNTIMES = ("executorch", "stock-runner")
@@ -89,7 +89,7 @@ def load_program(path):
     if OP not in portable_lib._get_operator_names():
         raise OscarInputError(f"{path.name} calls {OP}, which this ExecuTorch runtime does not have: load "
                               f"{LIBRARY_FILE} first (ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL), or "
-                              "oscar_export.export.et_runner.load_kernels())")
+                              "oscar_export.targets.android.runner.load_kernels())")
     with open(path, "rb") as f:  # ExecuTorch's loader aborts the process on a file that is not a program
         if f.read(8)[4:8] != b"ET12":
             raise OscarInputError(f"{path}: not an ExecuTorch program (no ET12 header): expected the {MODEL_FILE} "

@@ -29,22 +29,28 @@ import onnxruntime as ort
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from ...export.artifact import load_manifest
-from ...export.decode_bench import WARMUP, bench_setup, step_times
-from ...config import OscarConfig, OscarInputError
-from ...ops.attention import CACHE_NAMES
-from .ort_runner import OrtLM
+from ..export.artifact import load_manifest
+from .common import WARMUP, bench_setup, step_times
+from ..config import OscarConfig, OscarInputError
+from ..ops.attention import CACHE_NAMES
+from ..targets import get
+from ..targets.laptop import LaptopTarget
+from ..targets.laptop.runner import OrtLM
 
 FP32_FILE, SHARED_FILE = "fp32_decoder.onnx", "fp32_shared_decoder.onnx"
+# fp32: past/present concatenated each step; fp32_shared: GroupQueryAttention appending in place.
+CONTESTANTS = {"oscar": ("OSCAR", None), "fp32": ("fp32", "speedup"), "fp32_shared": ("fp32 shared", "speedup_shared")}
+
+
 WEIGHTS = "float32 in every variant"
 
 
 def oscar_decoder(directory: Path, model_name: str, context: int, config: OscarConfig, threads: int,
                   float_weights: bool) -> OrtLM:
     """Export the laptop artifact into `directory` and load it with the native op."""
-    from ...export.pipeline import export_artifact
+    from ..export.pipeline import export_artifact
 
-    export_artifact("laptop", model_name, directory, "hadamard", context, float_weights=float_weights,
+    export_artifact(get(LaptopTarget.name), model_name, directory, "hadamard", context, float_weights=float_weights,
                     **config.to_dict())
     return OrtLM(directory, "onnxruntime", threads)  # the op runs on the session's intra-op threads
 
@@ -209,8 +215,7 @@ def save_decoder(model: onnx.ModelProto, path: Path, float_weights: bool) -> Non
     if float_weights:
         onnx.save(model, path, save_as_external_data=True, location=path.name + ".data")
         return
-    from . import LaptopTarget
-    from .onnx_export import quantize_file
+    from ..targets.laptop.lower import quantize_file
 
     float_path = path.with_name(f"float.{path.name}")
     onnx.save(model, float_path, save_as_external_data=True, location=float_path.name + ".data")
@@ -269,3 +274,8 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
             "state": f"synthetic: random fp16 windows and codec-quantized random body rows (OSCAR), the same random "
                      f"fp32 past for both fp32 graphs; "
                      f"{WARMUP} untimed steps, then {steps} timed greedy steps ending at context - 1 tokens"}
+
+def measure(request) -> dict:
+    """`bench decode` of the request's model."""
+    return bench_decode(request.contexts, request.steps, request.threads, request.model, request.config,
+                        float_weights=request.float_weights)

@@ -90,7 +90,7 @@ def load(directory):
     """The artifact's MLModel, without compiling it (compiling needs macOS)."""
     import coremltools as ct
 
-    from .coreml import MODEL_FILE
+    from .lower import MODEL_FILE
 
     path = Path(directory) / MODEL_FILE
     if not path.is_dir():

@@ -1,14 +1,20 @@
-"""What the attention benches of every runtime share."""
+"""What the benches of every runtime share: argument checks, stored scales, copy bandwidth and traffic, decode turns."""
 
 from __future__ import annotations
 
 import os
 import time
 
+import numpy as np
+
 from ..config import OscarConfig, OscarInputError
 from ..ops.attention import BUFFER_SCALE_DTYPES
 
 COPY_BYTES = 256 << 20  # far past any cache level, as a long context's cache is
+# A target's `bench decode` (its artifact against the same weights with its runtime's own caches, from synthetic
+# cache states): every variant runs WARMUP untimed steps, then all take turns of BLOCK timed steps.
+WARMUP = 4
+BLOCK = 8
 
 
 def check_bench_args(contexts, q_heads: int, kv_heads: int, head_dim: int, config: OscarConfig | None,
@@ -69,3 +75,44 @@ def add_traffic(row: dict, name: str, nbytes: int, copy_gbps: float) -> None:
 def traffic_text(row: dict, name: str) -> str:
     return (f"reads {row[f'{name}_bytes'] / 2**20:.1f} MiB at {row[f'{name}_GBps']:.1f} GB/s "
             f"({row[f'{name}_fraction_of_copy']:.0%} of copy)")
+
+
+def bench_setup(contexts, config, steps: int, threads, model_name: str):
+    """(config, contexts, threads, model, rng) a target's `bench decode` starts from: the contexts checked, the
+    default config and thread count filled in, the model loaded, a seeded generator for the synthetic states."""
+    from ..models import load_model
+
+    config = config or OscarConfig()
+    contexts = list(contexts)
+    check_contexts(contexts, config, steps)
+    model, _ = load_model(model_name)
+    return config, contexts, threads or os.cpu_count(), model, np.random.default_rng(0)
+
+
+def check_contexts(contexts, config, steps: int) -> None:
+    """Each context must leave a starting state that already uses the packed body."""
+    least = config.sink + config.recent + WARMUP + steps + 2
+    for context in contexts:
+        if context < least:
+            raise OscarInputError(f"--context {context}: expected at least sink + recent + {WARMUP} warm-up + "
+                                  f"{steps} steps + 2 = {least} tokens, so the packed body is used")
+
+
+def step_times(steppers: dict, token: int, steps: int) -> dict[str, list[float]]:
+    """Greedy decode with each stepper (token -> logits), alternating turns of BLOCK steps; seconds per step."""
+    tokens = dict.fromkeys(steppers, token)
+    times = {name: [] for name in steppers}
+
+    def run(name, n, record):
+        for _ in range(n):
+            t0 = time.perf_counter()
+            tokens[name] = int(np.argmax(steppers[name](tokens[name])))
+            if record:
+                times[name].append(time.perf_counter() - t0)
+
+    for name in steppers:
+        run(name, WARMUP, False)
+    for done in range(0, steps, BLOCK):
+        for name in steppers:
+            run(name, min(BLOCK, steps - done), True)
+    return times

@@ -22,11 +22,6 @@ import numpy as np
 from ..config import OscarInputError
 from ..report import read_tokens
 
-# A target's `bench decode` (its artifact against the same weights with its runtime's own caches, from synthetic
-# cache states): every variant runs WARMUP untimed steps, then all take turns of BLOCK timed steps.
-WARMUP = 4
-BLOCK = 8
-
 LLAMACPP_CACHES = {"f16": 1, "q8_0": 8, "q4_0": 2}  # ggml type ids
 LLAMACPP_MISSING = ("llama-cpp-python is not installed (pip install 'oscar-export[bench]'; build it from source for "
                     "this CPU, e.g. CMAKE_ARGS=\"-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON\")")
@@ -60,7 +55,7 @@ def bench_artifact_decode(directory, contexts=None, steps: int = 32, threads: in
     per context says where its decode step goes (target.decode_profile)."""
     from transformers import AutoTokenizer
 
-    from .pipeline import check_runtime, open_artifact
+    from ..run import check_runtime, open_artifact
 
     directory, manifest, target = open_artifact(directory)
     runtime = check_runtime(target, runtime)
@@ -143,45 +138,3 @@ def print_artifact_decode(report: dict) -> None:
             parts = {f"{op} ({p['nodes_per_step']} nodes)": p["ms"] for op, p in profile["ops"].items()}
             for label, ms in {**parts, **profile["other_ms"]}.items():
                 print(f"    {label:<40} {ms:>8.3f} ms  {100 * ms / wall:>5.1f}%")
-
-
-def bench_setup(contexts, config, steps: int, threads, model_name: str):
-    """(config, contexts, threads, model, rng) a target's `bench decode` starts from: the contexts checked, the
-    default config and thread count filled in, the model loaded, a seeded generator for the synthetic states."""
-    from ..config import OscarConfig
-    from ..models import load_model
-
-    config = config or OscarConfig()
-    contexts = list(contexts)
-    check_contexts(contexts, config, steps)
-    model, _ = load_model(model_name)
-    return config, contexts, threads or os.cpu_count(), model, np.random.default_rng(0)
-
-
-def check_contexts(contexts, config, steps: int) -> None:
-    """Each context must leave a starting state that already uses the packed body."""
-    least = config.sink + config.recent + WARMUP + steps + 2
-    for context in contexts:
-        if context < least:
-            raise OscarInputError(f"--context {context}: expected at least sink + recent + {WARMUP} warm-up + "
-                                  f"{steps} steps + 2 = {least} tokens, so the packed body is used")
-
-
-def step_times(steppers: dict, token: int, steps: int) -> dict[str, list[float]]:
-    """Greedy decode with each stepper (token -> logits), alternating turns of BLOCK steps; seconds per step."""
-    tokens = dict.fromkeys(steppers, token)
-    times = {name: [] for name in steppers}
-
-    def run(name, n, record):
-        for _ in range(n):
-            t0 = time.perf_counter()
-            tokens[name] = int(np.argmax(steppers[name](tokens[name])))
-            if record:
-                times[name].append(time.perf_counter() - t0)
-
-    for name in steppers:
-        run(name, WARMUP, False)
-    for done in range(0, steps, BLOCK):
-        for name in steppers:
-            run(name, min(BLOCK, steps - done), True)
-    return times

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .ort_runner import OrtLM
+from .runner import OrtLM
 
 
 def profile_decode(directory: Path, runtime: str, max_chunk: int, ids: list[int], steps: int, threads: int) -> dict:
