@@ -13,6 +13,7 @@ from ..calibrations import DEFAULT_HELDOUT_TOKENS, DEFAULT_TOKENS
 from ..config import OscarInputError
 from ..targets import names
 from . import commands
+from .eval import add_eval_command
 from .flags import Parser, add_cache_flags, kl_tokens, positive_int
 from .rotations import add_rotations_command
 from .targets import add_target_commands
@@ -118,10 +119,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=commands.cmd_parity)
 
     add_rotations_command(sub)
-    # evaluate.py loads transformers, which loads torchao: only after main() has quieted their logs and set
-    # TRITON_INTERPRET on machines without a GPU.
-    from .eval import add_eval_command
-
     add_eval_command(sub)
     add_target_commands(sub)
     parser.commands = tuple(sub.choices)  # a subcommand first: its own flags follow, even "--target"
@@ -149,19 +146,27 @@ def _prompt_values_joined(argv: list[str]) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    _quiet_third_party_logs()
+# Commands that never load a model, a runtime or Triton: they answer without importing torch first.
+WITHOUT_TORCH = ("plan", "info", "rotations")
+
+
+def _triton_interprets_without_a_gpu() -> None:
     import torch
 
     if not torch.cuda.is_available():
         # Without a GPU, Triton kernels run through the interpreter; the flag must be set before
         # triton is first imported (transformers may import it through torchao).
         os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    _quiet_third_party_logs()
     argv = _prompt_values_joined(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if (not argv or argv[0] not in parser.commands) and any(arg.split("=")[0] == "--target" for arg in argv):
         from .targets import export_target  # each target has its own flags (--model, --out, ...)
 
+        _triton_interprets_without_a_gpu()
         return _reporting("--target", lambda: export_target(argv))
     args, rest = parser.parse_known_args(argv)
     if rest:
@@ -169,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 0
+    if args.command not in WITHOUT_TORCH:
+        _triton_interprets_without_a_gpu()
     return _reporting(args.command, lambda: args.func(args))
 
 

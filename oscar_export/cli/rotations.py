@@ -10,8 +10,6 @@ from rich.console import Console
 from rich.table import Table
 
 from ..config import OscarInputError
-from ..rotation_files import (check_report, export_rotation_zoo, import_rotation_zoo, load_rotations, save_rotations,
-                             zoo_paths)
 
 out = Console()
 
@@ -21,6 +19,8 @@ def _layout(kv_heads: int | None) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
+    from ..rotation_files import export_rotation_zoo, import_rotation_zoo, load_rotations, save_rotations, zoo_paths
+
     if args.to_zoo:
         paired = args.k is not None and args.v is not None
         if args.source is None or paired == (args.out is not None) or (args.k is None) != (args.v is None):
@@ -46,6 +46,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    from ..rotation_files import check_report
+
     report = check_report(args.file)
     if args.json:
         print(json.dumps(report, indent=2))
