@@ -30,7 +30,7 @@ import torch
 from oscar_export.distribution import Distributions, compare
 from oscar_export.export.artifact import eager_module
 from oscar_export.export.graph import OscarDecoderLayer
-from oscar_export.export.pipeline import open_artifact
+from oscar_export.run import open_artifact
 from oscar_export.report import read_tokens
 
 

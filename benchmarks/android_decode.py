@@ -20,7 +20,7 @@ import numpy as np
 
 
 def decode_rate(directory: Path, prompt: list[int], steps: int, threads: int) -> dict:
-    from oscar_export.targets.android.et_runner import EtLM
+    from oscar_export.targets.android.runner import EtLM
 
     lm = EtLM(directory, threads)
     logits = lm.prefill(prompt)
@@ -42,6 +42,7 @@ def main() -> None:
     args = p.parse_args()
 
     from oscar_export.export.pipeline import export_artifact
+    from oscar_export.targets import get
     from oscar_export.models import BUNDLED_MODEL_DIR, load_model
 
     _, tokenizer = load_model("bundled")
@@ -53,7 +54,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, cache in (("oscar", {}), ("fp16_cache", {"sink": args.context, "recent": 0})):
             out = Path(tmp) / name
-            export_artifact("android", "bundled", out, "hadamard", args.context, float_weights=args.float_weights, **cache)
+            export_artifact(get("android"), "bundled", out, "hadamard", args.context, float_weights=args.float_weights, **cache)
             results[name] = decode_rate(out, prompt, args.steps, args.threads)
             results[name]["pte_bytes"] = (out / "model.pte").stat().st_size
     report = {"context": args.context, "steps": args.steps, "threads": args.threads,

@@ -13,29 +13,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from oscar_export.config import OscarConfig
+from oscar_export.native import simd_kernels
+from oscar_export.bench import RUNTIMES, BenchRequest, measurer
+from oscar_export.bench.tables import print_report
+from oscar_export.targets import get
 
-from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.native import simd_kernels  # noqa: E402
-from oscar_export.targets import BenchRequest, registry  # noqa: E402
+from common import machine
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SMOLLM2 = ROOT / ".cache/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"  # scripts/fetch_smollm2.sh
 SHAPES = {"bundled": "bundled", "smollm2": str(SMOLLM2), "llama-3-8b": "llama-3-8b"}
 FILES = {"laptop": "laptop_attention.json", "android": "android_attention.json"}
-
-
-def machine() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    load = os.getloadavg()[0]
-    return f"{os.cpu_count()}-core {platform.machine()} ({model}), load average {load:.1f} at the start"
 
 
 def main() -> None:
@@ -49,9 +43,9 @@ def main() -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
-    targets = registry()
     for name in args.targets.split(","):
-        target = targets[name]
+        runtime = get(name).runtime
+        attention = measurer(runtime, "attention")
         report = {"command": f"nice -n 10 .venv/bin/python benchmarks/attention_tables.py --targets {name}",
                   "commit": commit, "machine": machine(), "kernels": simd_kernels(), "runs": {}}
         args.out.mkdir(parents=True, exist_ok=True)
@@ -60,10 +54,10 @@ def main() -> None:
                 sys.exit(f"{SMOLLM2} missing: bash scripts/fetch_smollm2.sh, or leave smollm2 out of --shapes")
             for threads in (int(t) for t in args.threads.split(",")):
                 request = BenchRequest(contexts, SHAPES[shape], OscarConfig(), threads, 0)
-                run = target.bench("attention", request)
+                run = attention.measure(request)
                 report["runs"][f"{shape}_threads{threads}"] = run
                 print(f"{name} {shape} threads {threads}:", file=sys.stderr)
-                target.print_bench("attention", request, run)
+                print_report("attention", RUNTIMES[runtime].label, request, run, attention.CONTESTANTS)
                 path = args.out / FILES[name]
                 tmp = path.with_suffix(".tmp")
                 tmp.write_text(json.dumps(report, indent=2) + "\n")

@@ -27,11 +27,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from oscar_export.native import build_native
 
-from attention_tables import machine  # noqa: E402  (benchmarks/ is this script's sys.path[0])
-from oscar_export.native import build_native  # noqa: E402
+from common import machine
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = {"bundled": (4, 2, 64), "smollm2": (9, 3, 64), "llama-3-8b": (32, 8, 128)}  # q heads, KV heads, D
 SCORE_TERMS = 3  # int8 terms of the query on the exact score path (oscar_kernels.h, SplitQuery)

@@ -21,16 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from oscar_export.calibrate import fit_quantizer, fit_rotations
+from oscar_export.config import OscarConfig
+from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache
+from oscar_export.hf_cache import attention_shape
 
-from subspace_clustering import (  # noqa: E402
+from common import (
     CALIB_HELDOUT,
     CALIB_TOKENS,
     gaps_to_fp16,
@@ -40,10 +40,7 @@ from subspace_clustering import (  # noqa: E402
     quality_cells,
 )
 
-from oscar_export.calibrate import fit_quantizer, fit_rotations  # noqa: E402
-from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache  # noqa: E402
-from oscar_export.hf_cache import attention_shape  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 NEEDLE_SEEDS = 4
 FEEDBACK_CLIP = {2: 0.85, 3: 0.92, 4: 0.92}  # K clip with feedback, by K width

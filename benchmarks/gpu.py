@@ -61,7 +61,6 @@ try:
 except ImportError as exc:  # pragma: no cover
     sys.exit(f"benchmarks/gpu.py: triton is not importable ({exc}); install oscar-export[gpu]")
 
-sys.path.insert(0, str(ROOT))
 from oscar_export.codec import quantize  # noqa: E402
 from oscar_export.config import OscarConfig  # noqa: E402
 from oscar_export.kernels import triton_oscar as K  # noqa: E402

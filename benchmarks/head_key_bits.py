@@ -32,11 +32,17 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from oscar_export.calibrate import clip_errors
+from oscar_export.sizes import bits_per_element
+from oscar_export.codec import dequantize, quantize
+from oscar_export.config import OscarConfig
+from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache
+from oscar_export.evaluate.methods import oscar_method
+from oscar_export.evaluate.metrics import token_nll
+from oscar_export.hf_cache import attention_shape
+from oscar_export.tune import CHUNK, retrieval_probe
 
-from subspace_clustering import (  # noqa: E402
+from common import (
     BITS_CONTEXT,
     CALIB_HELDOUT,
     CALIB_TOKENS,
@@ -47,15 +53,7 @@ from subspace_clustering import (  # noqa: E402
     quality_cells,
 )
 
-from oscar_export.calibrate import clip_errors  # noqa: E402
-from oscar_export.sizes import bits_per_element  # noqa: E402
-from oscar_export.codec import dequantize, quantize  # noqa: E402
-from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache  # noqa: E402
-from oscar_export.evaluate.methods import oscar_method  # noqa: E402
-from oscar_export.evaluate.metrics import token_nll  # noqa: E402
-from oscar_export.hf_cache import attention_shape  # noqa: E402
-from oscar_export.tune import CHUNK, retrieval_probe  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 RANKING_TOKENS = 2048
 WIDE_BITS = 4

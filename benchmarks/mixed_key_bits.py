@@ -72,12 +72,20 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from smollm2_levers import CONTEXTS  # noqa: E402
-from subspace_clustering import (  # noqa: E402
+from smollm2_levers import CONTEXTS
+
+from oscar_export.calibrate import clip_candidates, clip_errors
+from oscar_export.sizes import bits_per_element
+from oscar_export.calibrations import run_calibration
+from oscar_export.config import OscarConfig
+from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache
+from oscar_export.evaluate.methods import oscar_method
+from oscar_export.export.artifact import config_for
+from oscar_export.hf_cache import attention_shape
+from oscar_export.tune import Candidate, layer_gains
+
+from common import (
     BITS_CONTEXT,
     CALIB_HELDOUT,
     CALIB_TOKENS,
@@ -89,15 +97,7 @@ from subspace_clustering import (  # noqa: E402
     quality_cells,
 )
 
-from oscar_export.calibrate import clip_candidates, clip_errors  # noqa: E402
-from oscar_export.sizes import bits_per_element  # noqa: E402
-from oscar_export.calibrations import run_calibration  # noqa: E402
-from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache  # noqa: E402
-from oscar_export.evaluate.methods import oscar_method  # noqa: E402
-from oscar_export.export.artifact import config_for  # noqa: E402
-from oscar_export.hf_cache import attention_shape  # noqa: E402
-from oscar_export.tune import Candidate, layer_gains  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 SENSITIVITY_TOKENS = 2048
 # One needle sequence scores 80 tokens: a standard error near 5 points, the size of the goal's margin.

@@ -17,13 +17,14 @@ import os
 import sys
 from pathlib import Path
 
+
+from decode_floor import SHAPES, step_ms, write_result
+
+from oscar_export.native import build_native
+
+from common import machine
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from attention_tables import machine  # noqa: E402  (benchmarks/ is this script's sys.path[0])
-from decode_floor import SHAPES, step_ms, write_result  # noqa: E402
-
-from oscar_export.native import build_native  # noqa: E402
 
 DTYPES = {"float16": 0, "float8_e4m3fn": 1}  # oscar_decode_bench's SCALE_DTYPE
 

@@ -26,19 +26,23 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from feedback_rounding import FEEDBACK_CLIP  # noqa: E402
-from subspace_clustering import (  # noqa: E402
+from feedback_rounding import FEEDBACK_CLIP
+
+from oscar_export.sizes import bits_per_element
+from oscar_export.calibrate import fit_quantizer, fit_rotations
+from oscar_export.codec import _groups, check_finite, encode, encode_feedback, group_scale_zero, uniform_levels
+from oscar_export.config import OscarConfig
+from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache
+from oscar_export.evaluate.one_pass import SequenceKV
+from oscar_export.hf_cache import attention_shape
+
+from common import (
     BITS_CONTEXT,
     CALIB_HELDOUT,
     CALIB_TOKENS,
@@ -49,13 +53,7 @@ from subspace_clustering import (  # noqa: E402
     quality_cells,
 )
 
-from oscar_export.sizes import bits_per_element  # noqa: E402
-from oscar_export.calibrate import fit_quantizer, fit_rotations  # noqa: E402
-from oscar_export.codec import _groups, check_finite, encode, encode_feedback, group_scale_zero, uniform_levels  # noqa: E402
-from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache  # noqa: E402
-from oscar_export.evaluate.one_pass import SequenceKV  # noqa: E402
-from oscar_export.hf_cache import attention_shape  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 NEEDLE_SEEDS = 4
 LONG_CONTEXT = 32768

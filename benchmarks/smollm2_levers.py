@@ -17,19 +17,18 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from oscar_export.config import OscarConfig
+from oscar_export.evaluate.driver import evaluate
+from oscar_export.models import load_model
+
+from common import CONTEXTS, split_text
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
-from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate.driver import evaluate  # noqa: E402
-from oscar_export.models import BUNDLED_MODEL_DIR, load_model  # noqa: E402
-
-CONTEXTS = (2048, 4096, 8192)
 # Lever groups: one calibration each (its rotation fit serves every bit width in it). SmolLM2's head_dim is
 # 64, so 64 is its largest group.
 GROUPS = {
@@ -44,14 +43,6 @@ GROUPS = {
     "g64-s16-r128-perhead-feedback": (dict(cluster_dim=64, sink=16, recent=128, per_head=True, k_rounding="feedback"),
                                       ("oscar-2", "oscar-k3v2")),
 }
-
-
-def split_text(split: str) -> Path:
-    text = (BUNDLED_MODEL_DIR / "heldout.txt").read_text(encoding="utf-8")
-    cut = text.index("\n", len(text) // 2) + 1
-    path = Path(tempfile.mkdtemp(prefix="oscar-levers-")) / f"{split}.txt"
-    path.write_text(text[cut:] if split == "validation" else text[:cut], encoding="utf-8")
-    return path
 
 
 def pareto(points: list[dict], key: str, higher_is_better: bool) -> list[str]:

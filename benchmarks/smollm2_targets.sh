@@ -22,7 +22,7 @@ for target in ${TARGETS:-laptop android ios}; do
     # Decode speed: two runs from the same prompt, 8 and 72 new tokens; load and prefill cancel.
     "$py" - "$dir" 2>/dev/null <<'PY'
 import sys, time
-from oscar_export.export.pipeline import run_artifact
+from oscar_export.run import run_artifact
 runs = []
 run_artifact(sys.argv[1], "Once", 2)  # warm-up: first loads (native libraries, page cache) out of the timing
 for steps in (8, 72):

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -46,40 +45,25 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from smollm2_levers import CONTEXTS, split_text  # noqa: E402
+from oscar_export.sizes import bits_per_element
+from oscar_export.calibrate import CLIP_CANDIDATES, ObjectiveAccumulators, clip_errors
+from oscar_export.capture import capture_qkv
+from oscar_export.codec import dequantize, quantize
+from oscar_export.config import OscarConfig
+from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache
+from oscar_export.evaluate.methods import oscar_method
+from oscar_export.hf_cache import attention_shape
+from oscar_export.rotations import oscar_rotation
 
-from oscar_export.sizes import bits_per_element  # noqa: E402
-from oscar_export.calibrate import CLIP_CANDIDATES, ObjectiveAccumulators, clip_errors  # noqa: E402
-from oscar_export.capture import capture_qkv  # noqa: E402
-from oscar_export.codec import dequantize, quantize  # noqa: E402
-from oscar_export.config import OscarConfig  # noqa: E402
-from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache  # noqa: E402
-from oscar_export.evaluate.driver import SPLIT_MARGIN, text_tokens  # noqa: E402
-from oscar_export.evaluate.methods import oscar_method  # noqa: E402
-from oscar_export.evaluate.metrics import needle_cases  # noqa: E402
-from oscar_export.evaluate.one_pass import OnePass, chunk_bounds, one_pass_logits  # noqa: E402
-from oscar_export.hf_cache import attention_shape, route_attention  # noqa: E402
-from oscar_export.models import load_model  # noqa: E402
-from oscar_export.rotations import oscar_rotation  # noqa: E402
+from common import (BITS_CONTEXT, CALIB_HELDOUT, CALIB_TOKENS, CONTEXTS, ROOT, WINDOW, cluster_bits, load_split, log,
+                    measure)
 
-# evaluate()'s defaults, which the lever sweep runs with
-CALIB_TOKENS, CALIB_HELDOUT, WINDOW, CHUNK = 4096, 512, 512, 64
-NEEDLE_CONTEXT, NEEDLE_TOKENS, NEEDLE_PREFIX, NEEDLE_DEPTHS = 4096, 24, 8, (0.1, 0.3, 0.5, 0.7, 0.9)
 FIT_ITERATIONS = 4
-BITS_CONTEXT = 8192
-GGUF = ROOT / ".cache/models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 # C1-l2-layer is the one-rotation control (K second-moment rotation, no ids); C4-l2-layer the plain design;
 # the q-head rows had the lowest held-out calibration proxy error in a C=4 comparison of the four metric/scope
 # pairs (8 of the 30 layers, clip 0.65).
 ROWS = ("C1-l2-layer", "C4-l2-layer", "C2-q-head", "C4-q-head", "C8-q-head")
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # -- routing under the codec -------------------------------------------------------------------
@@ -134,12 +118,6 @@ class ClusteredKCache(EvalOscarKVCache):
             counts = torch.bincount(body.reshape(-1), minlength=self.clusters.shape[2])
             self.stats["counts"] = [a + int(b) for a, b in zip(self.stats["counts"], counts)]
         return seq
-
-
-def cluster_bits(cfg: OscarConfig, head_dim: int, clusters: int, context: int) -> float:
-    """Bits per K/V element at `context`: the format's, plus log2(C) bits per body token per KV head for K."""
-    body = max(context - cfg.sink - cfg.recent, 0)
-    return bits_per_element(cfg, head_dim, context) + body * math.log2(clusters) / (context * 2 * head_dim)
 
 
 def equal_bits_recent(cfg: OscarConfig, head_dim: int, clusters: int) -> int:
@@ -239,66 +217,6 @@ def proxy_errors(heldout, base_rot, clusters, q_cov, cfg: OscarConfig, metric: s
 # -- evaluation ----------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def window_nll(model, ids: torch.Tensor, cache, first: int, rows: int = 1024) -> torch.Tensor:
-    """evaluate.token_nll with the LM head applied a slice of positions at a time: the same one-pass
-    forward, without holding [8192, vocab] logits and their log-softmax at once (4 GB budget)."""
-    n = ids.shape[0]
-    with route_attention(model, OnePass(cache, chunk_bounds(n, CHUNK, first))):
-        hidden = model.model(input_ids=ids[None], position_ids=torch.arange(n)[None], use_cache=False)
-    hidden = hidden.last_hidden_state[0]
-    return torch.cat([F.cross_entropy(model.lm_head(hidden[a:min(a + rows, n - 1)]).float(), ids[a + 1:a + rows + 1],
-                                      reduction="none") for a in range(0, n - 1, rows)])
-
-
-@torch.no_grad()
-def needle_hits(model, case, cache, first: int) -> str:
-    """Per scored repeat token of `case`, in depth order: "1" where greedy prediction is right, else "0"."""
-    n = case.ids.shape[0]
-    start = min(a for a, _ in case.answers.values()) - 1  # logits at p predict token p + 1
-    pred = one_pass_logits(model, case.ids, cache, CHUNK, first, keep_last=n - start).argmax(-1)
-    return "".join("".join("1" if hit else "0" for hit in (pred[a - 1 - start:b - 1 - start] == case.ids[a:b]).tolist())
-                   for _, (a, b) in sorted(case.answers.items()))
-
-
-def paired_difference(hits: str, reference: str) -> tuple[float, float]:
-    """Mean per-token accuracy difference of `hits` against `reference` (the same tokens) and its standard
-    error: both caches answer the same tokens, so the pairs' spread, not each accuracy's, bounds the gap."""
-    d = torch.tensor([int(a) - int(b) for a, b in zip(hits, reference, strict=True)], dtype=torch.float64)
-    return float(d.mean()), float(d.std() / math.sqrt(len(d)))
-
-
-def gaps_to_fp16(rows: dict) -> None:
-    """Each row's perplexity over rows["fp16"]'s per context (ppl_increase, %) and its needle gap to it, paired per
-    token (needle_vs_fp16 and its standard error)."""
-    fp16 = rows["fp16"]
-    for r in rows.values():
-        r["ppl_increase"] = {c: 100 * (r["ppl"][c] / fp16["ppl"][c] - 1) for c in CONTEXTS}
-        r["needle_vs_fp16"], r["needle_vs_fp16_se"] = paired_difference(r["needle_hits"], fp16["needle_hits"])
-
-
-def quality_cells(r: dict) -> str:
-    """A row's "ppl 2K | ppl 4K | ppl 8K | needle | gap to fp16" table cells, after gaps_to_fp16."""
-    return (" | ".join(f"{r['ppl'][c]:.2f} ({r['ppl_increase'][c]:+.1f}%)" for c in CONTEXTS)
-            + f" | {r['needle']:.3f} | {100 * r['needle_vs_fp16']:+.1f} +- {100 * r['needle_vs_fp16_se']:.1f}")
-
-
-def measure(model, make, cfg, window, cases, needle_length, head_dim, clusters=1) -> dict:
-    """Perplexity of the 8K window at each of CONTEXTS and needle accuracy over every sequence of `cases`
-    (None: no needle), with the per-token hits that paired_difference compares."""
-    t0 = time.perf_counter()
-    first = max(cfg.sink + cfg.recent, CHUNK) if cfg else CHUNK
-    nll = window_nll(model, window, make(BITS_CONTEXT), first)
-    ppl = {c: math.exp(float(nll[:c - 1].mean())) for c in CONTEXTS}
-    needle = hits = None
-    if cases:
-        hits = "".join(needle_hits(model, case, make(needle_length), first) for case in cases)
-        needle = hits.count("1") / len(hits)
-    bits = 16.0 if cfg is None else cluster_bits(cfg, head_dim, clusters, BITS_CONTEXT)
-    return {"bits": bits, "ppl": ppl, "needle": needle, "needle_hits": hits,
-            "wall_s": round(time.perf_counter() - t0, 1)}
-
-
 def fit_row(cal_k, q_cov, clusters: int, metric: str, scope: str, cfg: OscarConfig) -> tuple[torch.Tensor, dict]:
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
@@ -376,19 +294,6 @@ def write_report(args, rows, proxy, fit_log, started, final: bool) -> None:
                      f"{' '.join(f'{x:.2f}' for x in f.get('changed_per_iteration', [])) or '-'} |")
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
-
-
-def load_split(split: str, needle: bool = True, needle_seeds: int = 1):
-    """SmolLM2 and one split, as the lever sweep reads them: (model, tokenizer, calibration text, the 8K
-    perplexity window, the needle cases (one sequence per seed) or None, a needle sequence's length)."""
-    torch.manual_seed(0)
-    if not GGUF.is_file():
-        sys.exit("fetch the model first: bash scripts/fetch_smollm2.sh")
-    model, tokenizer = load_model(str(GGUF))
-    calibration_text, ids = text_tokens(tokenizer, split_text(split), CALIB_TOKENS + CALIB_HELDOUT + SPLIT_MARGIN)
-    cases = needle_cases(ids, NEEDLE_CONTEXT, NEEDLE_TOKENS, NEEDLE_PREFIX, NEEDLE_DEPTHS, needle_seeds) if needle else None
-    return (model, tokenizer, calibration_text, ids[:BITS_CONTEXT], cases,
-            NEEDLE_CONTEXT + 2 * len(NEEDLE_DEPTHS) * NEEDLE_TOKENS)
 
 
 def main() -> None:

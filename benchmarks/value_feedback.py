@@ -17,18 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from subspace_clustering import CALIB_HELDOUT, CALIB_TOKENS, load_split, log  # noqa: E402
-
-from oscar_export.calibrate import (  # noqa: E402
+from oscar_export.calibrate import (
     FEEDBACK_DAMPING,
     _attention,
     _expand,
@@ -36,7 +29,11 @@ from oscar_export.calibrate import (  # noqa: E402
     fit_quantizer,
     fit_rotations,
 )
-from oscar_export.config import OscarConfig  # noqa: E402
+from oscar_export.config import OscarConfig
+
+from common import CALIB_HELDOUT, CALIB_TOKENS, load_split, log
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def feedback_from_form(h: torch.Tensor) -> torch.Tensor:
