@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 SUPPORTED_BITS = (2, 3, 4)
 SUPPORTED_CLUSTER_DIMS = (32, 64, 128)
@@ -22,26 +22,40 @@ def _check(ok: bool, message: str) -> None:
         raise OscarInputError(message)
 
 
+def _flag(default, help: str, choices=None, count: bool = False, only_where_scales_are_stored: bool = False):
+    """A field that is also a command-line flag (--k-bits for k_bits); `help` may name {default}. count: a token
+    count >= 0."""
+    return field(default=default, metadata={"help": help, "choices": choices, "count": count,
+                                            "scales": only_where_scales_are_stored})
+
+
 @dataclass(frozen=True)
 class OscarConfig:
     """Format of the OSCAR KV cache. Defaults and their reasons are in docs/format.md."""
 
-    k_bits: int = 2
-    v_bits: int = 2
-    cluster_dim: int = 64
-    k_clip: float = 1.0
-    v_clip: float = 1.0
+    k_bits: int = _flag(2, "bits per K code (overrides --bits)", SUPPORTED_BITS)
+    v_bits: int = _flag(2, "bits per V code (overrides --bits)", SUPPORTED_BITS)
+    cluster_dim: int = _flag(64, "quantization group along head_dim (default {default}, or the largest group that "
+                                 "divides the model's head_dim when {default} does not)", SUPPORTED_CLUSTER_DIMS)
+    k_clip: float = _flag(1.0, "fraction of each K group's range kept (default: a rotation file's, else {default})")
+    v_clip: float = _flag(1.0, "fraction of each V group's range kept (default: a rotation file's, else {default})")
     codebook: str = "uniform"
-    sink: int = 64
-    recent: int = 256
-    scale_dtype: str = "float16"
+    sink: int = _flag(64, "fp16 sink tokens (default: a budget-chosen rotation file's, else {default})", count=True)
+    recent: int = _flag(256, "fp16 recent window (default: a budget-chosen rotation file's, else {default})",
+                        count=True)
+    scale_dtype: str = _flag("float16", "how each group's scale and zero are stored (default {default}); "
+                             "float8_e4m3fn: one byte each, a quarter bit per element less at group 64 "
+                             "(docs/format.md); exports: android and laptop store either, ios and laptop's pure-ONNX "
+                             "fallback float16 only", SCALE_DTYPES, only_where_scales_are_stored=True)
     # K's width and clip per layer, for a cache whose sensitive layers get one more bit (calibrate --budget-bits
     # chooses them). Empty: every layer has k_bits and k_clip. Given: k_bits is the narrowest width, the base.
     k_bits_by_layer: tuple[int, ...] = ()
     k_clip_by_layer: tuple[float, ...] = ()
     # How K's codes are chosen: each element to its nearest level, or with the rounding errors fed forward to the
     # later channels, weighted so the error lands where the queries read least (needs the calibration's k_feedback).
-    k_rounding: str = "nearest"
+    k_rounding: str = _flag("nearest", "how K codes are chosen: nearest level, or feedback (rounding errors moved to "
+                            "the directions queries read least; needs calibrated rotations) (default: a rotation "
+                            "file's; feedback where the command calibrates; else {default})", ROUNDINGS)
 
     def __post_init__(self) -> None:
         # JSON gives lists; frozen fields are compared and hashed as tuples.
@@ -169,6 +183,12 @@ class OscarConfig:
         unknown = sorted(set(data) - known)
         _check(not unknown, f"OscarConfig: unknown fields {unknown}; expected a subset of {sorted(known)}")
         return cls(**data)
+
+    @classmethod
+    def flag_fields(cls, scales: bool = True) -> list:
+        """The fields that are command-line flags (dataclasses.Field, help and choices in .metadata); `scales`:
+        also those that only commands storing scales take."""
+        return [f for f in fields(cls) if f.metadata.get("help") and (scales or not f.metadata["scales"])]
 
     @classmethod
     def reference_recipe(cls, cluster_dim: int = 128) -> "OscarConfig":

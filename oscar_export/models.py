@@ -37,10 +37,26 @@ PRESETS: dict[str, dict] = {
         max_position_embeddings=32768, tie_word_embeddings=False,
     ),
 }
-# Qwen2 puts biases on q/k/v only; other families here have none.
-_BIAS_BY_TYPE = {"qwen2": True}
-# GGUF architectures whose decoder the exportable graph covers (Mistral checkpoints convert as llama).
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class Family:
+    """A decoder family the exportable graph covers (export/graph.py's decoder layer does what differs)."""
+
+    architecture: str  # the transformers class of its checkpoints (random_checkpoint writes it)
+    qkv_bias: bool = False  # q/k/v projections carry biases where the config does not say
+    gguf: bool = False  # its GGUF files load: general.architecture names the family (Mistral's say llama)
+
+
+# The one table of model families: the graph, the GGUF reader, the planner and the random checkpoints read it.
+# Adding a family is a row here and, where its layers differ, their code in export/graph.py.
+FAMILIES: dict[str, Family] = {
+    "llama": Family("LlamaForCausalLM", gguf=True),
+    "qwen2": Family("Qwen2ForCausalLM", qkv_bias=True, gguf=True),
+    "qwen3": Family("Qwen3ForCausalLM", gguf=True),
+    "mistral": Family("MistralForCausalLM"),
+}
+GGUF_ARCHITECTURES = tuple(name for name, family in FAMILIES.items() if family.gguf)
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
 
 
@@ -93,7 +109,8 @@ class ModelShape:
             intermediate=cfg["intermediate_size"],
             vocab=cfg["vocab_size"],
             tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", _BIAS_BY_TYPE.get(cfg.get("model_type"), False))),
+            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") in FAMILIES
+                                  and FAMILIES[cfg["model_type"]].qkv_bias)),
             max_position_embeddings=cfg.get("max_position_embeddings"),
         )
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .config import OscarInputError
-from .models import BUNDLED_MODEL_DIR, PRESETS
+from .models import BUNDLED_MODEL_DIR, FAMILIES, PRESETS
 
 # Llama 3.1 ships the Llama-3-8B shape with a 128K context through this RoPE scaling (its published config).
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -47,8 +47,7 @@ def checkpoint_config(preset: str = "llama-3-8b", layers: int | None = None, shr
         raise OscarInputError(f"--layers {layers}: expected at least 1")
     if vocab is not None and vocab < BUNDLED_VOCAB:
         raise OscarInputError(f"--vocab {vocab}: expected at least {BUNDLED_VOCAB}, the tokenizer's vocabulary")
-    cfg = {**base, "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                      "mistral": "MistralForCausalLM"}[base["model_type"]]],
+    cfg = {**base, "architectures": [FAMILIES[base["model_type"]].architecture],
            "num_hidden_layers": layers or base["num_hidden_layers"], "num_attention_heads": heads // shrink,
            "num_key_value_heads": kv // shrink, "head_dim": head_dim, "hidden_size": base["hidden_size"] // shrink,
            "intermediate_size": base["intermediate_size"] // shrink, "vocab_size": vocab or base["vocab_size"],

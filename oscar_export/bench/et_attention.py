@@ -24,7 +24,7 @@ from torch import nn
 
 from ..config import OscarConfig
 from .common import add_traffic, check_bench_args, copy_bandwidth, stored_scales
-from ..ops.attention import CACHE_NAMES
+from ..ops.attention import CACHE_NAMES, op_attributes
 
 MIN_SECONDS, MIN_RUNS = 0.5, 10
 
@@ -129,8 +129,7 @@ def oscar_step(config: OscarConfig, context: int, q_heads: int, kv_heads: int, h
     # K's error-feedback weights (the appended row's rounding), of calibration's size; empty: nearest.
     feedback = (torch.triu(torch.randn(kv_heads, head_dim, head_dim, generator=gen) * 0.3, 1)
                 if config.k_rounding == "feedback" else torch.zeros(0))
-    attrs = (config.k_bits, config.v_bits, config.cluster_dim, config.sink, config.recent,
-             float(config.k_clip), float(config.v_clip), float(np.float32(head_dim**-0.5)))
+    attrs = tuple(op_attributes(config, np.float32(head_dim**-0.5)).values())
     new = [torch.randn(kv_heads, 1, head_dim, generator=gen).half() for _ in ("k", "v")]
     inputs = [torch.randn(q_heads, 1, head_dim, generator=gen), *new, torch.tensor([context - 1])]
     return cache, _program(_OscarStep(cache, levels, feedback, attrs), tuple(inputs)), inputs

@@ -19,7 +19,7 @@ from ..sizes import capacities
 from ..sizes import packed_bytes
 from ..config import OscarConfig
 from .common import add_traffic, check_bench_args, copy_bandwidth, stored_scales
-from ..ops.attention import ATTRIBUTES, CACHE_NAMES, INPUTS
+from ..ops.attention import CACHE_NAMES, INPUTS, op_attributes
 from ..ops.onnx import DOMAIN, OP
 
 MIN_SECONDS, MIN_RUNS = 0.5, 10
@@ -97,9 +97,7 @@ def bench_attention(contexts, q_heads: int = 4, kv_heads: int = 2, head_dim: int
         feeds["k_feedback"] = (np.triu(rng.standard_normal((kv_heads, head_dim, head_dim), dtype=np.float32) * 0.3, 1)
                                if config.k_rounding == "feedback" else np.zeros(0, np.float32))
         feeds["length"] = np.array([context - 1], np.int64)
-        attrs = dict(zip(ATTRIBUTES, (config.k_bits, config.v_bits, config.cluster_dim, config.sink, config.recent,
-                                      config.k_clip, config.v_clip, scaling)))
-        node = helper.make_node(OP, list(INPUTS), ["out"], domain=DOMAIN, **attrs)  # the session's pool
+        node = helper.make_node(OP, list(INPUTS), ["out"], domain=DOMAIN, **op_attributes(config, scaling))  # the session's pool
         out = np.empty((q_heads, 1, head_dim), np.float32)
         oscar_ms = _median_ms(_session(_model([node], feeds, "out"), threads, library), feeds, out)
 

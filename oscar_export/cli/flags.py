@@ -9,8 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..calibrations import CALIBRATED_K_ROUNDING, DEFAULT_TOKENS
-from ..config import (ROUNDINGS, SCALE_DTYPES, SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError,
-                      default_cluster_dim, with_metadata_defaults)
+from ..config import SUPPORTED_BITS, OscarConfig, OscarInputError, default_cluster_dim, with_metadata_defaults
 
 
 class Parser(argparse.ArgumentParser):
@@ -74,43 +73,33 @@ def _count(text: str) -> int:
 
 
 def add_cache_flags(p: argparse.ArgumentParser, scale_dtypes: bool = False) -> None:
-    """The cache format's flags; `scale_dtypes` adds --scale-dtype, for the commands that store scales."""
-    defaults = OscarConfig()
+    """The cache format's flags: one per OscarConfig.flag_fields(), and --bits for both widths; `scale_dtypes` adds
+    the flags of the fields only the commands that store scales take (--scale-dtype)."""
     g = p.add_argument_group("KV cache format")
     g.add_argument("--bits", type=int, choices=SUPPORTED_BITS,
-                   help=f"bits per K and V code (default: a budget-chosen rotation file's, else {defaults.k_bits})")
-    g.add_argument("--k-bits", type=int, choices=SUPPORTED_BITS, help="bits per K code (overrides --bits)")
-    g.add_argument("--v-bits", type=int, choices=SUPPORTED_BITS, help="bits per V code (overrides --bits)")
-    g.add_argument("--cluster-dim", type=int, choices=SUPPORTED_CLUSTER_DIMS,
-                   help=f"quantization group along head_dim (default {defaults.cluster_dim}, or the largest group "
-                        f"that divides the model's head_dim when {defaults.cluster_dim} does not)")
-    g.add_argument("--k-clip", type=float,
-                   help=f"fraction of each K group's range kept (default: a rotation file's, else {defaults.k_clip})")
-    g.add_argument("--v-clip", type=float,
-                   help=f"fraction of each V group's range kept (default: a rotation file's, else {defaults.v_clip})")
-    g.add_argument("--k-rounding", choices=ROUNDINGS,
-                   help="how K codes are chosen: nearest level, or feedback (rounding errors moved to the directions "
-                        "queries read least; needs calibrated rotations) (default: a rotation file's; feedback where "
-                        f"the command calibrates; else {defaults.k_rounding})")
-    g.add_argument("--sink", type=_count,
-                   help=f"fp16 sink tokens (default: a budget-chosen rotation file's, else {defaults.sink})")
-    g.add_argument("--recent", type=_count,
-                   help=f"fp16 recent window (default: a budget-chosen rotation file's, else {defaults.recent})")
-    if scale_dtypes:
-        g.add_argument("--scale-dtype", choices=SCALE_DTYPES,
-                       help=f"how each group's scale and zero are stored (default {defaults.scale_dtype}); "
-                            "float8_e4m3fn: one byte each, a quarter bit per element less at group 64 (docs/format.md); "
-                            "exports: android and laptop store either, ios and laptop's pure-ONNX fallback float16 "
-                            "only")
+                   help=f"bits per K and V code (default: a budget-chosen rotation file's, else {OscarConfig.k_bits})")
+    for f in OscarConfig.flag_fields(scales=scale_dtypes):
+        kind = _count if f.metadata["count"] else _FIELD_TYPES[f.type]
+        g.add_argument("--" + f.name.replace("_", "-"), type=kind, choices=f.metadata["choices"],
+                       help=f.metadata["help"].format(default=f.default))
+
+
+# OscarConfig's annotations are strings (postponed evaluation): the argparse type of each.
+_FIELD_TYPES = {"int": int, "float": float, "str": str}
+
+
+def cache_flag_values(args: argparse.Namespace) -> dict:
+    """OscarConfig fields as the flags give them, None where a flag is unset (--bits stands for both widths)."""
+    values = {f.name: getattr(args, f.name, None) for f in OscarConfig.flag_fields()}
+    values["k_bits"] = values["k_bits"] or args.bits
+    values["v_bits"] = values["v_bits"] or args.bits
+    return values
 
 
 def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = None) -> OscarConfig:
     """The cache flags; what a rotation file's metadata carries (config.with_metadata_defaults) applies where a flag
     is unset, then the defaults."""
-    fields = {"k_bits": args.k_bits or args.bits, "v_bits": args.v_bits or args.bits, "cluster_dim": args.cluster_dim,
-              "k_clip": args.k_clip, "v_clip": args.v_clip, "sink": args.sink, "recent": args.recent,
-              "k_rounding": args.k_rounding, "scale_dtype": getattr(args, "scale_dtype", None)}
-    fields = with_metadata_defaults(fields, rotation_metadata)
+    fields = with_metadata_defaults(cache_flag_values(args), rotation_metadata)
     if fields["cluster_dim"] is None:
         from ..models import model_shape
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from ..bench import RUNTIMES, BenchRequest, kinds, measurer as bench_module
 from ..config import OscarInputError
 from ..targets import get, names, registry
-from .flags import (Parser, add_cache_flags, config_from_args, contexts, export_parser, export_rotations, positive_int,
-                    thread_count)
+from .flags import (Parser, add_cache_flags, cache_flag_values, config_from_args, contexts, export_parser,
+                    export_rotations, positive_int, thread_count)
 
 
 def export_target(argv: list[str]) -> int:
@@ -29,9 +29,7 @@ def export_target(argv: list[str]) -> int:
         if missing:
             raise OscarInputError(f"this target cannot export here: {missing}")
         options = target.export_options(args)
-        fields = dict(k_bits=args.k_bits or args.bits, v_bits=args.v_bits or args.bits, cluster_dim=args.cluster_dim,
-                      k_clip=args.k_clip, v_clip=args.v_clip, sink=args.sink, recent=args.recent,
-                      k_rounding=args.k_rounding, scale_dtype=args.scale_dtype)
+        fields = cache_flag_values(args)
         # Before a calibration that may take minutes: a layout the target cannot run is refused at once.
         target.check(options, fields, default_context(model_shape(args.model), args.context))
         rotations, calibration = export_rotations(args)

@@ -21,10 +21,10 @@ from ..codec import uniform_levels
 from ..sizes import packed_bytes
 from ..config import OscarConfig, OscarInputError
 from ..hf_cache import attention_shape, resolve_rotations
-from ..ops.attention import BUFFER_SCALE_DTYPES, CACHE_NAMES
+from ..models import FAMILIES
+from ..ops.attention import BUFFER_SCALE_DTYPES, CACHE_NAMES, op_attributes
 from ..rotations import hadamard_rotations
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 def _fold_v(v_proj: nn.Linear, rot: torch.Tensor) -> nn.Linear:
     """v_proj whose output per KV head h is v_h @ R_h: weight rows of head h become R_h^T W_h."""
@@ -73,8 +73,7 @@ class OscarDecoderLayer(nn.Module):
         self.register_buffer("v_levels", v_levels.clone())
         # K's error-feedback weights [kv_heads, D, D]; empty for nearest rounding (the op reads it so).
         self.register_buffer("k_feedback", torch.zeros(0) if k_feedback is None else k_feedback.clone())
-        self.attrs = (config.k_bits, config.v_bits, config.cluster_dim, config.sink, config.recent,
-                      float(config.k_clip), float(config.v_clip), float(attn.scaling))
+        self.attrs = tuple(op_attributes(config, attn.scaling).values())
 
     def forward(self, h, cos, sin, length, cache, functional: bool):
         t = h.shape[1]
@@ -124,7 +123,7 @@ class OscarCausalLM(nn.Module):
         super().__init__()
         family = model.config.get_text_config().model_type
         if family not in FAMILIES:
-            raise OscarInputError(f"model_type={family!r}: expected one of {FAMILIES}")
+            raise OscarInputError(f"model_type={family!r}: expected one of {tuple(FAMILIES)}")
         if isinstance(rotations, str) and rotations == "online":
             raise OscarInputError("rotations='online' estimates rotations from each prompt and cannot be exported: "
                                   "expected 'hadamard', 'none' or a rotation file (oscar-export calibrate)")

@@ -35,6 +35,14 @@ SCALE_NAMES = ("k_scale", "k_zero", "v_scale", "v_zero")
 BUFFER_SCALE_DTYPES = {"float16": torch.float16, "float8_e4m3fn": torch.uint8}
 
 
+def op_attributes(config: OscarConfig, scaling: float) -> dict:
+    """The op's attributes for one layer's format (config.layer(i) where K's width is per layer), by ATTRIBUTES'
+    names in their order: every backend, the graph and the benches take them from here."""
+    return {"k_bits": config.k_bits, "v_bits": config.v_bits, "cluster_dim": config.cluster_dim, "sink": config.sink,
+            "recent": config.recent, "k_clip": float(config.k_clip), "v_clip": float(config.v_clip),
+            "scaling": float(scaling)}
+
+
 _ATTRS = "int k_bits, int v_bits, int cluster_dim, int sink, int recent, float k_clip, float v_clip, float scaling"
 _MUTABLE = ", ".join(f"Tensor({chr(ord('a') + i)}!) {name}" for i, name in enumerate(CACHE_NAMES))
 _PLAIN = ", ".join(f"Tensor {name}" for name in CACHE_NAMES)

@@ -116,6 +116,12 @@ def random_rotation_set(layers: int, kv_heads: int, d: int, seed: int) -> Rotati
     return RotationSet(k=q[0], v=q[1], metadata={})
 
 
+def test_every_family_of_the_table_has_a_tiny_model():
+    from oscar_export.models import FAMILIES as TABLE
+
+    assert sorted(FAMILIES) == sorted(TABLE)  # a new family row needs its tiny model in tests/tiny_models.py
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_equals_the_reference(family):
     model = tiny_model(family, seed=3)

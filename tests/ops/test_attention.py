@@ -5,7 +5,9 @@ from pathlib import Path
 
 import torch
 
-from oscar_export.ops.attention import BUFFER_SCALE_DTYPES, CACHE_NAMES, INPUT_DTYPES, INPUTS, SCALE_NAMES
+from oscar_export import OscarConfig
+from oscar_export.ops.attention import (ATTRIBUTES, BUFFER_SCALE_DTYPES, CACHE_NAMES, INPUT_DTYPES, INPUTS, SCALE_NAMES,
+                                         op_attributes)
 
 SOURCES = Path(__file__).resolve().parents[2] / "runtime_ops"
 ORT_TYPES = {"kF32": torch.float32, "kF16": torch.float16, "kU8": torch.uint8, "kI64": torch.int64}
@@ -17,6 +19,13 @@ def _array(source: str, declaration: str) -> list[str]:
     match = re.search(re.escape(declaration) + r"\[[^\]]*\]\s*=\s*\{(.*?)\};", source, re.S)
     assert match, f"{declaration} not found"
     return [item.strip().strip('"') for item in match.group(1).split(",") if item.strip()]
+
+
+def test_op_attributes_are_the_schema_s_in_order_and_types():
+    attrs = op_attributes(OscarConfig(k_bits=3, k_clip=0.9, sink=4, recent=8), 0.125)
+    assert tuple(attrs) == ATTRIBUTES
+    assert attrs["k_bits"] == 3 and attrs["k_clip"] == 0.9 and attrs["sink"] == 4 and attrs["scaling"] == 0.125
+    assert [type(v) for v in attrs.values()] == [int] * 5 + [float] * 3  # the schema's int and float attributes
 
 
 def test_core_buffer_names_are_the_op_inputs_then_out():
