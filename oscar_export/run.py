@@ -61,7 +61,16 @@ def run_artifact(directory, prompt: str, max_new_tokens: int, runtime: str | Non
         prompt = chat_prompt(tokenizer, prompt)
     # A chat template writes its special tokens itself: the tokenizer must not add them again.
     ids = prompt_ids(tokenizer, prompt, add_special_tokens=not chat)
+    context = manifest["max_context"]
+    if len(ids) >= context:
+        raise OscarInputError(f"the prompt is {len(ids)} tokens: expected fewer than the artifact's context, {context}")
+    # Each new token but the last is fed back; one slot is left free, as every runtime's runner needs.
+    steps = min(max_new_tokens, context - len(ids))
     if runtime == REFERENCE:
-        tokens = reference_trace(directory, ids, max_new_tokens)["tokens"]
-        return {"tokens": tokens, "text": tokenizer.decode(tokens)}
-    return target.generate(directory, manifest, runtime, tokenizer, prompt, ids, max_new_tokens, threads)
+        tokens = reference_trace(directory, ids, steps)["tokens"]
+        result = {"tokens": tokens, "text": tokenizer.decode(tokens)}
+    else:
+        result = target.generate(directory, manifest, runtime, tokenizer, prompt, ids, steps, threads)
+    if steps < max_new_tokens and len(result["tokens"]) == steps:
+        result["stopped_at_context"] = context
+    return result

@@ -8,6 +8,9 @@ from __future__ import annotations
 from .config import OscarConfig, OscarInputError
 
 KINDS = ("k", "v")
+# The longest cache a manifest or a flag may ask for: far past any model here (a 1M-token cache of an 8B model
+# is already ~60 GB at 2 bits), and a bound that keeps a hand-edited value from becoming an allocation.
+MAX_CONTEXT = 1 << 20
 
 
 def packed_bytes(head_dim: int, bits: int) -> int:

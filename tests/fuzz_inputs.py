@@ -162,6 +162,44 @@ def fuzz_artifact_files(rng: np.random.Generator, cases: int, artifact: Path, tm
     return counts
 
 
+def hostile_manifest_files(artifact: Path, tmp: Path) -> Counter:
+    """Every way of handing over something that is not the artifact's own regular file: the manifest as a FIFO
+    (reading it would block), a link to /dev/zero (it never ends), 200,000 nested lists, 5 MB of padding, a link
+    to a copy outside the artifact; a listed file replaced by a link to an identical copy outside it."""
+    import os
+
+    from oscar_export.export.artifact import MANIFEST, load_manifest
+
+    counts = Counter()
+    manifest = (artifact / MANIFEST).read_text()
+    outside = tmp / "outside"
+    outside.mkdir(exist_ok=True)
+
+    def case(name: str, make) -> None:
+        work = tmp / f"hostile_{name}"
+        shutil.copytree(artifact, work)
+        (work / MANIFEST).unlink()
+        make(work)
+        counts[outcome(lambda: load_manifest(work), must_refuse=True)] += 1
+
+    case("fifo", lambda w: os.mkfifo(w / MANIFEST))
+    case("zero", lambda w: (w / MANIFEST).symlink_to("/dev/zero"))
+    case("deep", lambda w: (w / MANIFEST).write_text("[" * 200_000))
+    case("large", lambda w: (w / MANIFEST).write_text(manifest[:-1] + " " * (5 << 20) + "}"))
+    (outside / MANIFEST).write_text(manifest)
+    case("link", lambda w: (w / MANIFEST).symlink_to(outside / MANIFEST))
+    member = sorted(json.loads(manifest)["files"])[0]
+
+    def member_link(work: Path) -> None:
+        (work / MANIFEST).write_text(manifest)
+        shutil.copy2(artifact / member, outside / "member")
+        (work / member).unlink()
+        (work / member).symlink_to(outside / "member")
+
+    case("member", member_link)
+    return counts
+
+
 NATIVE_CASE = """
 import hashlib, json, sys
 from pathlib import Path
@@ -271,6 +309,7 @@ def run(cases: int, seed: int, artifact: Path, tmp: Path, native_cases: int) -> 
         "rotation files": fuzz_rotation_files(rng, cases, tmp),
         "manifests": fuzz_manifests(rng, cases, artifact, tmp),
         "artifact files": fuzz_artifact_files(rng, cases, artifact, tmp),
+        "hostile files": hostile_manifest_files(artifact, tmp),
         "native loads": fuzz_native_loads(rng, native_cases, artifact, tmp),
         "C API": fuzz_c_api(seed, cases * 10),
     }

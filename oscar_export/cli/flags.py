@@ -10,6 +10,10 @@ from pathlib import Path
 
 from ..calibrations import CALIBRATED_K_ROUNDING, DEFAULT_TOKENS
 from ..config import SUPPORTED_BITS, OscarConfig, OscarInputError, default_cluster_dim, with_metadata_defaults
+from ..sizes import MAX_CONTEXT
+
+
+MAX_STEPS = 4096
 
 
 class Parser(argparse.ArgumentParser):
@@ -54,11 +58,18 @@ def thread_count(text: str) -> int:
 
 def context_tokens(text: str) -> int:
     """--context: a positive token count within what a cache can be planned for."""
-    from ..export.artifact import MAX_CONTEXT
-
     value = positive_int(text)
     if value > MAX_CONTEXT:
         raise argparse.ArgumentTypeError(f"{value} tokens: expected at most {MAX_CONTEXT}")
+    return value
+
+
+def greedy_steps(text: str) -> int:
+    """--steps of parity and bench: each keeps a step's logits (parity) or times it (bench), so a count beyond
+    a few thousand only exhausts memory or patience."""
+    value = positive_int(text)
+    if value > MAX_STEPS:
+        raise argparse.ArgumentTypeError(f"{value} steps: expected at most {MAX_STEPS}")
     return value
 
 

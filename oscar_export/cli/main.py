@@ -14,7 +14,7 @@ from ..config import OscarInputError
 from ..targets import names
 from . import commands
 from .eval import add_eval_command
-from .flags import Parser, add_cache_flags, kl_tokens, positive_int
+from .flags import Parser, add_cache_flags, context_tokens, greedy_steps, kl_tokens, positive_int
 from .rotations import add_rotations_command
 from .targets import add_target_commands
 
@@ -94,8 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Exit code 1 on any mismatch beyond the thresholds in docs/parity.md.")
     p.add_argument("--model", default="bundled", help="'bundled', a local HF checkpoint directory or a .gguf file")
     p.add_argument("--text", type=Path, help="UTF-8 text whose first tokens are the prompt (default: held-out text)")
-    p.add_argument("--prompt-tokens", type=positive_int, default=400, help="prompt length (default %(default)s)")
-    p.add_argument("--steps", type=positive_int, default=16, help="greedy steps (default %(default)s)")
+    p.add_argument("--prompt-tokens", type=context_tokens, default=400, help="prompt length (default %(default)s)")
+    p.add_argument("--steps", type=greedy_steps, default=16, help="greedy steps (default %(default)s)")
     p.add_argument("--rotations", default="hadamard",
                    help="hadamard, online, none, calibrate (a cached calibration, as export makes) or a rotation "
                         "file (default %(default)s)")

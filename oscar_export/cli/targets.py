@@ -10,8 +10,8 @@ from pathlib import Path
 from ..bench import RUNTIMES, BenchRequest, kinds, measurer as bench_module
 from ..config import OscarInputError
 from ..targets import get, names, registry
-from .flags import (Parser, add_cache_flags, cache_flag_values, config_from_args, contexts, export_parser,
-                    export_rotations, positive_int, thread_count)
+from .flags import (Parser, add_cache_flags, cache_flag_values, config_from_args, context_tokens, contexts, export_parser,
+                    export_rotations, greedy_steps, positive_int, thread_count)
 
 
 def export_target(argv: list[str]) -> int:
@@ -54,15 +54,19 @@ def export_target(argv: list[str]) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from ..run import run_artifact
 
-    try:
-        (args.prompt or args.chat).encode("utf-8")
-    except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates
-        raise OscarInputError(f"{'--prompt' if args.chat is None else '--chat'} is not valid UTF-8: expected text") \
-            from None
     chat = args.chat is not None
-    result = run_artifact(args.artifact, args.chat if chat else args.prompt, args.max_new_tokens, args.runtime,
-                          args.threads, chat=chat)
+    flag, text = ("--chat", args.chat) if chat else ("--prompt", args.prompt)
+    if not text:
+        raise OscarInputError(f"{flag} is empty: expected text")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 arrive as lone surrogates
+        raise OscarInputError(f"{flag} is not valid UTF-8: expected text") from None
+    result = run_artifact(args.artifact, text, args.max_new_tokens, args.runtime, args.threads, chat=chat)
     print(json.dumps(result) if args.json else result["text"])
+    if result.get("stopped_at_context"):
+        print(f"oscar-export run: stopped after {len(result['tokens'])} new tokens: the artifact's context of "
+              f"{result['stopped_at_context']} tokens is full", file=sys.stderr)
     return 0
 
 
@@ -141,7 +145,8 @@ def add_target_commands(sub) -> None:
     text.add_argument("--prompt", help="prompt text, as the model reads it")
     text.add_argument("--chat", metavar="QUESTION",
                       help="a question, put in the chat template the artifact's tokenizer carries")
-    p.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate (default %(default)s)")
+    p.add_argument("--max-new-tokens", type=context_tokens, default=64,
+                   help="tokens to generate, at most what the artifact's context leaves (default %(default)s)")
     p.add_argument("--runtime", choices=tuple(dict.fromkeys(r for t in targets for r in t.run_runtimes())),
                    help="default: the target's runtime. " + "; ".join(f"{t.name}: {', '.join(t.run_runtimes())}"
                                                                      for t in targets)
@@ -160,7 +165,7 @@ def add_target_commands(sub) -> None:
                                    "threads, measured in one run. memory (--artifact): the artifact's peak run-time memory "
                                    "with its cache full, in a fresh process, against the planner's numbers.")
     p.add_argument("what", choices=(*dict.fromkeys(k for r in RUNTIMES for k in kinds(r)), "memory"))
-    p.add_argument("--steps", type=positive_int,
+    p.add_argument("--steps", type=greedy_steps,
                    help="decode: timed greedy steps per context (default 64); memory: decode steps (default 4)")
     p.add_argument("--device-memory", help="memory: judge the peak against this device (e.g. 8GB) less the "
                                            "planner's reserve (default: the artifact's plan)")

@@ -20,8 +20,11 @@ import torch
 
 from ..config import OscarConfig, OscarInputError, default_cluster_dim, with_metadata_defaults
 from ..rotation_files import load_rotations
+from ..sizes import MAX_CONTEXT
 
 MANIFEST = "manifest.json"
+# A manifest lists a few hundred files at most: anything larger is not one (and is not read into memory).
+MANIFEST_BYTES = 4 << 20
 ROTATION_FILE = "rotations.safetensors"
 
 
@@ -192,9 +195,6 @@ def finish_manifest(temp: Path, target: str, runtime: str, model_name: str, mode
     return manifest
 
 
-# The longest cache a manifest may ask for: far past any model here (a 1M-token cache of an 8B model
-# is already ~60 GB at 2 bits), and a bound that keeps a hand-edited value from becoming an allocation.
-MAX_CONTEXT = 1 << 20
 ROTATIONS = ("hadamard", "none", ROTATION_FILE)
 
 
@@ -204,9 +204,10 @@ def load_manifest(directory, verify: bool = True) -> dict:
     native reads them: a damaged or edited artifact is an error naming the file, never a wrong answer."""
     path = Path(directory) / MANIFEST
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise OscarInputError(f"--artifact {str(directory)!r}: no readable {MANIFEST} ({err}): "
+        manifest = json.loads(_read_regular(path, MANIFEST_BYTES))
+    except (OSError, ValueError, RecursionError) as err:
+        reason = "nested too deeply" if isinstance(err, RecursionError) else err
+        raise OscarInputError(f"--artifact {str(directory)!r}: no readable {MANIFEST} ({reason}): "
                               "expected a directory written by 'oscar-export --target ...'") from None
     found = manifest.get("target") if isinstance(manifest, dict) else None
     if not isinstance(found, str) or manifest.get("format") != manifest_format(found):
@@ -215,6 +216,17 @@ def load_manifest(directory, verify: bool = True) -> dict:
         check_manifest(directory, manifest)
         verify_files(directory, manifest)
     return manifest
+
+
+def _read_regular(path: Path, limit: int) -> str:
+    """The text of `path`, which must be a regular file (not a link, FIFO or device) of at most `limit` bytes."""
+    stat = path.lstat()
+    if not os.path.isfile(path) or path.is_symlink():
+        raise OSError(f"{path.name} is not a regular file")
+    if stat.st_size > limit:
+        raise OSError(f"{path.name} is {stat.st_size} bytes, more than a manifest's {limit}")
+    with open(path, "rb") as f:
+        return f.read(limit + 1).decode("utf-8")
 
 
 def _is_int(value) -> bool:
@@ -263,13 +275,17 @@ _VERIFIED: set = set()  # (path, size, mtime_ns, sha256) already hashed in this 
 def verify_files(directory, manifest: dict) -> None:
     """Each listed file exists with the manifest's size and sha256."""
     directory = Path(directory)
+    inside = directory.resolve()
     for name, meta in manifest["files"].items():
         path = directory / name
         try:
-            stat = path.stat()
+            stat = path.lstat()
         except OSError:
             raise OscarInputError(f"--artifact {str(directory)!r}: {name} is missing: the artifact is incomplete; "
                                   f"re-export it") from None
+        if path.is_symlink() or not path.resolve().is_relative_to(inside):
+            raise OscarInputError(f"--artifact {str(directory)!r}: {name} is a link, or reached through one: "
+                                  "expected the artifact's own regular file; re-export it")
         if not path.is_file() or stat.st_size != meta["bytes"]:
             raise OscarInputError(f"--artifact {str(directory)!r}: {name} is {stat.st_size} bytes, the manifest "
                                   f"says {meta['bytes']}: the artifact is damaged; re-export it")

@@ -194,7 +194,11 @@ BAD_INPUTS = [
     ["rotations", "check", "/no/such/file.safetensors"],
     ["run", "--artifact", "/no/such/dir", "--prompt", "x"], ["run", "--artifact", "/tmp", "--prompt", "x",
                                                               "--threads", "-1"],
+    ["run", "--artifact", "/tmp", "--prompt", ""], ["run", "--artifact", "/tmp", "--chat", ""],
+    ["run", "--artifact", "/tmp", "--prompt", "x", "--max-new-tokens", str(10**12)],
+    ["parity", "--steps", "100000000", "--prompt-tokens", "16"], ["parity", "--prompt-tokens", str(10**9)],
     ["bench", "attention", "--context", "abc"], ["bench", "attention", "--threads", "100000"],
+    ["bench", "decode", "--steps", "100000000"],
     ["--target", "laptop", "--model", "/no/such/dir"], ["--target", "android", "--context", "0"],
     ["--target", "ios", "--out", "/proc/x"], ["--target", "laptop", "--rotations", "/no/such/file.safetensors"],
 ]

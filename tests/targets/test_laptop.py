@@ -326,6 +326,24 @@ def test_flag_values_are_bounded_or_taken_as_text(float_artifact, capsys):
     assert "--prompt is not valid UTF-8" in capsys.readouterr().err
 
 
+@needs_native
+def test_run_past_the_context_prints_what_it_generated_and_why_it_stopped(float_artifact, capsys):
+    from transformers import AutoTokenizer
+
+    prompt = "KING.\nWhat say you"
+    room = CONTEXT - len(AutoTokenizer.from_pretrained(float_artifact)(prompt)["input_ids"])
+    assert main(["run", "--artifact", str(float_artifact), "--prompt", prompt, "--max-new-tokens", "5000",
+                 "--json"]) == 0
+    out = capsys.readouterr()
+    result = json.loads(out.out)
+    eos = json.loads((float_artifact / "manifest.json").read_text())["eos_token_ids"]
+    if result["tokens"][-1] in eos:  # the model ended its text first: nothing to say
+        assert len(result["tokens"]) <= room and "stopped_at_context" not in result
+    else:
+        assert len(result["tokens"]) == room and result["stopped_at_context"] == CONTEXT
+        assert f"stopped after {room} new tokens: the artifact's context of {CONTEXT} tokens is full" in out.err
+
+
 def test_an_unexpected_exception_is_an_internal_error_with_a_log(monkeypatch, capsys):
     import oscar_export.cli.commands as cli_module
 
