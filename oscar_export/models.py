@@ -91,6 +91,10 @@ class ModelShape:
                 f"model config of {name!r} lacks attention/shape fields {missing}: "
                 "expected a decoder-only Hugging Face config.json (llama, qwen2, qwen3, mistral)"
             )
+        counts = {key: cfg[key] for key in (*required, "num_key_value_heads", "head_dim") if cfg.get(key) is not None}
+        bad = {key: value for key, value in counts.items() if type(value) is not int or value < 1}
+        if bad:
+            raise OscarInputError(f"model config of {name!r}: {bad}: expected positive whole numbers")
         q_heads = cfg["num_attention_heads"]
         kv_heads = cfg.get("num_key_value_heads") or q_heads
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // q_heads
@@ -199,7 +203,8 @@ def load_model(name_or_path: str = "bundled", offload_folder=None, max_memory: s
     With offload_folder (and optionally max_memory, e.g. "4GB"), weights that do not fit stay on
     disk and are streamed in by accelerate layer by layer, so models larger than memory still run.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
 
     kwargs = {}
     if is_gguf(name_or_path):
@@ -211,15 +216,46 @@ def load_model(name_or_path: str = "bundled", offload_folder=None, max_memory: s
         if not any(p.suffix in WEIGHT_SUFFIXES for p in path.iterdir()):
             raise OscarInputError(f"model {name_or_path!r}: config.json but no weights (*.safetensors, *.bin) "
                                   "there: expected a complete checkpoint directory")
+    shape = model_shape(name_or_path)
     if offload_folder is None:
-        _check_fits_in_memory(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+        _check_fits_in_memory(name_or_path, shape)
+    tokenizer = load_tokenizer(path, f"model {name_or_path!r}", **kwargs)
+    check_vocabulary(name_or_path, tokenizer, shape.vocab)
     if offload_folder is not None:
         kwargs.update(device_map="auto", offload_folder=str(offload_folder))
         if max_memory:
             kwargs["max_memory"] = {"cpu": max_memory}
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32", **kwargs)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="float32", **kwargs)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:  # a damaged or mismatched weight file
+        raise OscarInputError(f"model {name_or_path!r}: its weights cannot be loaded ({_first_line(err)}): expected "
+                              "the checkpoint's own weight files, matching its config.json") from None
     return model.eval(), tokenizer
+
+
+def _first_line(err: Exception) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return (lines[0] if lines else type(err).__name__)[:300]
+
+
+def load_tokenizer(path, what: str, **kwargs):
+    """The tokenizer in `path` (a checkpoint's or an artifact's), offline; a missing or damaged one is an error
+    naming `what` ("model 'X'", "--artifact 'Y'")."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+    except (OSError, ValueError, TypeError, KeyError) as err:  # ValueError includes a UnicodeDecodeError
+        raise OscarInputError(f"{what}: no usable tokenizer ({_first_line(err)}): expected the tokenizer.json and "
+                              "tokenizer_config.json of the model (or a GGUF's vocabulary)") from None
+
+
+def check_vocabulary(name_or_path: str, tokenizer, vocab: int) -> None:
+    """The tokenizer's own vocabulary has rows in the model's embedding. Tokens added on top of it may lie past
+    the embedding (a GGUF's converted tokenizer adds a pad token): a prompt is checked for them when it runs."""
+    if tokenizer.vocab_size > vocab:
+        raise OscarInputError(f"model {name_or_path!r}: its tokenizer has {tokenizer.vocab_size} tokens and its "
+                              f"config's vocab_size is {vocab}: expected the tokenizer that belongs to the weights")
 
 
 def fp32_bytes(shape: ModelShape) -> int:
@@ -239,10 +275,10 @@ def available_memory() -> int | None:
     return None
 
 
-def _check_fits_in_memory(name_or_path: str) -> None:
+def _check_fits_in_memory(name_or_path: str, shape: ModelShape) -> None:
     """A model whose fp32 weights exceed the memory available fails here with what to do, not in the kernel's
     out-of-memory killer minutes later."""
-    need, have = fp32_bytes(model_shape(name_or_path)), available_memory()
+    need, have = fp32_bytes(shape), available_memory()
     if have is not None and need > have:
         raise OscarInputError(
             f"model {name_or_path!r}: its weights take {need / 2**30:.1f} GiB in fp32 and {have / 2**30:.1f} GiB "

@@ -20,6 +20,7 @@ from .codec import unpack_codes
 from .config import OscarConfig, OscarInputError
 from .hf_cache import OscarCache, patch_model_for_kv_quant
 from .progress import progress
+from .sizes import MAX_STEPS, cache_layout
 from .targets import REFERENCE
 
 THRESHOLDS = {"codes_mismatch_fraction": 1e-3, "max_rel_error": 1e-3, "logits_max_rel_error": 1e-2}
@@ -199,9 +200,41 @@ def load_trace(path, manifest: dict) -> tuple[list[int], int, dict, dict]:
     if metadata.get("artifact") != _artifact_identity(manifest):
         raise OscarInputError(f"--against {str(path)!r} was recorded on another artifact (its files differ from "
                               f"this one's): expected a trace saved with --artifact on a copy of this artifact")
+    _check_trace(path, tensors, int(metadata["steps"]), manifest)
     trace = {"tokens": tensors["tokens"].tolist(), "logits": list(tensors["logits"]),
              "codes": {name[len("codes."):]: array for name, array in tensors.items() if name.startswith("codes.")}}
     return tensors["prompt"].tolist(), int(metadata["steps"]), trace, metadata
+
+
+def _check_trace(path, tensors: dict, steps: int, manifest: dict) -> None:
+    """Every value of a trace file within what this artifact can have given: a trace is data from elsewhere."""
+    import numpy as np
+
+    vocab, context = manifest["model"]["vocab"], manifest["max_context"]
+    prompt, tokens, logits = tensors["prompt"], tensors["tokens"], tensors["logits"]
+
+    def require(ok: bool, what: str) -> None:
+        if not ok:
+            raise OscarInputError(f"--against {str(path)!r}: {what}: expected a file written by parity --save-trace "
+                                  "on this artifact")
+
+    require(1 <= steps <= MAX_STEPS, f"steps {steps}, not 1..{MAX_STEPS}")
+    for name, ids in (("prompt", prompt), ("tokens", tokens)):
+        require(ids.ndim == 1 and ids.dtype == np.int64 and bool(((ids >= 0) & (ids < vocab)).all()),
+                f"{name} is not a list of token ids below the vocabulary's {vocab}")
+    require(1 <= len(prompt) and len(prompt) + steps <= context,
+            f"a {len(prompt)}-token prompt and {steps} steps, not within the context of {context} tokens")
+    require(1 <= len(tokens) <= steps, f"{len(tokens)} tokens for {steps} steps")
+    require(logits.shape == (len(tokens), vocab) and logits.dtype == np.float32,
+            f"logits {tuple(logits.shape)} {logits.dtype}, not ({len(tokens)}, {vocab}) float32")
+    layout = {name: shape for name, shape, _ in
+              cache_layout(OscarConfig.from_dict(manifest["config"]), manifest["model"]["layers"],
+                           manifest["model"]["kv_heads"], manifest["model"]["head_dim"], context)}
+    for name, array in tensors.items():
+        if name.startswith("codes."):
+            want = layout.get(name[len("codes."):]) if name.endswith("_codes") else None
+            require(want is not None and array.shape == want and array.dtype == np.uint8,
+                    f"{name} {tuple(array.shape)} {array.dtype}, not a packed body of this artifact")
 
 
 def _codes_mismatches(got: dict, want: dict, config: dict, slots: int | None = None) -> tuple[int, int, dict]:
@@ -378,14 +411,12 @@ def answers_parity(module, target, directory, manifest: dict, runtimes: dict) ->
     """The known questions of the artifact's model (answers.py), greedily on the reference and every runtime: an
     answer must be right (name an expected word) and the runtime's tokens must be the reference's, or part from
     them at a near tie."""
-    from transformers import AutoTokenizer
-
     from .answers import ANSWER_TOKENS, is_right, questions_for
-    from .export.artifact import eager_trace, prompt_ids
+    from .export.artifact import artifact_tokenizer, eager_trace, prompt_ids
     from .run import chat_prompt
 
     model, questions = questions_for(manifest["model"]["source"])
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer = artifact_tokenizer(directory)
     eos = manifest["eos_token_ids"]
     rows = []
     for question in questions:
@@ -483,9 +514,7 @@ def artifact_parity_command(args, out) -> int:
     """`oscar-export parity --artifact DIR [--save-trace FILE | --against FILE]`; `out` is the CLI console."""
     import json
 
-    from transformers import AutoTokenizer
-
-    from .export.artifact import load_manifest
+    from .export.artifact import artifact_tokenizer, load_manifest
     from .report import read_tokens
 
     if args.save_trace is not None and args.against is not None:
@@ -493,7 +522,7 @@ def artifact_parity_command(args, out) -> int:
     manifest = load_manifest(args.artifact)
     ids, text_ids = [], None
     if args.against is None or args.kl_tokens:
-        tokenizer = AutoTokenizer.from_pretrained(args.artifact, local_files_only=True)
+        tokenizer = artifact_tokenizer(args.artifact)
         ids = read_tokens(tokenizer, args.text, args.prompt_tokens)[0].tolist()
         if args.kl_tokens:
             scored = min(args.kl_tokens, manifest["max_context"] - DISTRIBUTION_PROMPT)

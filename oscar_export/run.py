@@ -6,15 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import OscarInputError
-from .export.artifact import eager_trace, load_manifest, prompt_ids
+from .export.artifact import artifact_tokenizer, eager_trace, load_manifest, prompt_ids
 from .targets import REFERENCE, Target, get
 
 
 def open_artifact(directory) -> tuple[Path, dict, Target]:
-    """The artifact's directory, verified manifest and target."""
+    """The artifact's directory, verified manifest (its files' hashes, and its fields against the programs) and
+    target."""
     directory = Path(directory)
     manifest = load_manifest(directory)
-    return directory, manifest, get(manifest["target"])
+    target = get(manifest["target"])
+    target.check_artifact(directory, manifest)
+    return directory, manifest, target
 
 
 def check_runtime(target: Target, runtime: str | None) -> str:
@@ -52,15 +55,17 @@ def run_artifact(directory, prompt: str, max_new_tokens: int, runtime: str | Non
                  chat: bool = False) -> dict:
     """Greedy generation from an artifact on one of its target's runtimes: {"tokens": [...], "text": "..."}.
     chat: `prompt` is a question, put in the chat template the artifact's tokenizer carries."""
-    from transformers import AutoTokenizer
-
     directory, manifest, target = open_artifact(directory)
     runtime = check_runtime(target, runtime)
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer = artifact_tokenizer(directory)
     if chat:
         prompt = chat_prompt(tokenizer, prompt)
     # A chat template writes its special tokens itself: the tokenizer must not add them again.
     ids = prompt_ids(tokenizer, prompt, add_special_tokens=not chat)
+    vocab = manifest["model"]["vocab"]
+    if max(ids) >= vocab:  # an added token (a GGUF tokenizer's pad) past the embedding
+        raise OscarInputError(f"the prompt has token {tokenizer.convert_ids_to_tokens(max(ids))!r} (id {max(ids)}), "
+                              f"which the model has no embedding for (vocabulary {vocab}): expected text without it")
     context = manifest["max_context"]
     if len(ids) >= context:
         raise OscarInputError(f"the prompt is {len(ids)} tokens: expected fewer than the artifact's context, {context}")

@@ -8,9 +8,17 @@ from __future__ import annotations
 from .config import OscarConfig, OscarInputError
 
 KINDS = ("k", "v")
+# One layer's cache buffers, in the op's input order (after q, k_new, v_new).
+CACHE_NAMES = ("k_sink", "v_sink", "k_recent", "v_recent", "k_codes", "k_scale", "k_zero",
+               "v_codes", "v_scale", "v_zero")
+# The element type of the scale and zero buffers for each scale_dtype: fp8 is held as its bits, in uint8, since
+# every runtime has uint8 tensors and not every one has fp8 ones.
+SCALE_BUFFER_DTYPES = {"float16": "float16", "float8_e4m3fn": "uint8"}
 # The longest cache a manifest or a flag may ask for: far past any model here (a 1M-token cache of an 8B model
 # is already ~60 GB at 2 bits), and a bound that keeps a hand-edited value from becoming an allocation.
 MAX_CONTEXT = 1 << 20
+# The most greedy steps one run or parity check takes (each keeps a vocabulary of logits).
+MAX_STEPS = 4096
 
 
 def packed_bytes(head_dim: int, bits: int) -> int:
@@ -28,6 +36,25 @@ def capacities(config: OscarConfig, max_context: int) -> tuple[int, int, int]:
     recent = min(config.recent, max(max_context - config.sink, 0))
     body = max(max_context - config.sink - config.recent, 0)
     return sink, recent, body
+
+
+def cache_layout(config: OscarConfig, layers: int, kv_heads: int, head_dim: int,
+                 max_context: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, element type) of every cache buffer, layer{i}.k_sink ..., layer by layer in the op's order:
+    what every target's program holds for a cache of max_context tokens."""
+    s, w, b = capacities(config, max_context)
+    groups = head_dim // config.cluster_dim
+    scales = SCALE_BUFFER_DTYPES[config.scale_dtype]
+    layout = []
+    for i, cfg in enumerate(config.layers(layers)):
+        one = {}
+        for kind in KINDS:
+            one[f"{kind}_sink"] = ((kv_heads, s, head_dim), "float16")
+            one[f"{kind}_recent"] = ((kv_heads, w, head_dim), "float16")
+            one[f"{kind}_codes"] = ((kv_heads, b, packed_bytes(head_dim, cfg.bits(kind))), "uint8")
+            one[f"{kind}_scale"] = one[f"{kind}_zero"] = ((kv_heads, b, groups), scales)
+        layout += [(f"layer{i}.{name}", *one[name]) for name in CACHE_NAMES]
+    return layout
 
 
 def cache_bytes(config: OscarConfig, layers: int, kv_heads: int, head_dim: int, max_context: int) -> int:

@@ -1,17 +1,19 @@
 """A seeded fuzz harness for the files users hand us: rotation files, RotationZoo pickles, artifact
-manifests, artifact files (weights, tokenizer, op library, .onnx headers), and random calls into the native
-core's C API.
+manifests (damaged, and edited to disagree with the program they describe), artifact files (weights, tokenizer,
+op library, program headers; also damaged with the manifest re-hashed to vouch for them), parity traces,
+checkpoints, --out directories holding a user's entries, and random calls into the native core's C API.
 
 Every case ends in one of:
 - "refused": a one-line OscarInputError (the expected answer to a damaged input);
 - "accepted": the input loaded (fine where the mutation kept it valid);
 - "traceback": any other exception (a bug: the user sees a stack trace);
 - "crash": the process died on a signal (native code read what it should not have);
-- "silent": a mutation that must be refused was accepted (a wrong answer waiting to happen).
+- "silent": a mutation that must be refused was accepted (a wrong answer waiting to happen);
+- "lost": a refused export removed an entry of the user's.
 
 tests/test_fuzz.py runs a bounded number of cases in CI; many more on demand:
     .venv/bin/python tests/fuzz_inputs.py --cases 2000 --seed 1 [--artifact DIR]
-(DIR: a laptop artifact; without it one is exported first).
+(DIR: an artifact of any target, exported from the bundled model; without it a laptop one is exported first).
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ import torch
 
 from oscar_export.config import OscarInputError
 
-OUTCOMES = ("refused", "accepted", "traceback", "crash", "silent")
+OUTCOMES = ("refused", "accepted", "traceback", "crash", "silent", "lost")
+BAD = ("traceback", "crash", "silent", "lost")
 
 
 def outcome(load, must_refuse: bool) -> str:
@@ -200,6 +203,185 @@ def hostile_manifest_files(artifact: Path, tmp: Path) -> Counter:
     return counts
 
 
+def field_edits(manifest: dict) -> dict:
+    """What each edit does to a manifest: every one leaves it valid JSON of the right shape, and makes it disagree
+    with the program it describes (the cache layout, logits, chunk or runtime) or leave a field's range."""
+    model, config, layers = manifest["model"], manifest["config"], manifest["model"]["layers"]
+
+    def edit(path: str, value):
+        def apply(m: dict) -> None:
+            *parents, last = path.split(".")
+            for key in parents:
+                m = m[key]
+            m[last] = value(m.get(last)) if callable(value) else value
+        return apply
+
+    edits = {
+        "max_context +1": edit("max_context", lambda v: v + 1), "max_context 65536": edit("max_context", 65536),
+        "k_bits": edit("config.k_bits", 4 if config["k_bits"] != 4 else 2),
+        "v_bits": edit("config.v_bits", 3 if config["v_bits"] != 3 else 2),
+        "cluster_dim": edit("config.cluster_dim", lambda v: v // 2),
+        "sink 0": edit("config.sink", 0), "sink +1": edit("config.sink", lambda v: v + 1),
+        "recent 10**12": edit("config.recent", 10**12), "recent -1": edit("config.recent", -1),
+        "scale_dtype": edit("config.scale_dtype", "float8_e4m3fn" if config["scale_dtype"] == "float16"
+                            else "float16"),
+        "k_bits_by_layer": edit("config.k_bits_by_layer", [4 if config["k_bits"] != 4 else 3] * layers),
+        "layers 0": edit("model.layers", 0), "layers +1": edit("model.layers", lambda v: v + 1),
+        "head_dim '64'": edit("model.head_dim", str(model["head_dim"])),
+        "head_dim x2": edit("model.head_dim", lambda v: v * 2), "kv_heads +1": edit("model.kv_heads", lambda v: v + 1),
+        "vocab 10**12": edit("model.vocab", 10**12), "vocab +1": edit("model.vocab", lambda v: v + 1),
+        "no model": lambda m: m.pop("model"),
+        "eos []": edit("eos_token_ids", []), "eos 10**20": edit("eos_token_ids", [10**20]),
+        "eos vocab": edit("eos_token_ids", [model["vocab"]]), "runtime": edit("runtime", "bogus"),
+        "max_chunk > context": edit("max_chunk", lambda v: manifest["max_context"] + 1),
+        "target": edit("target", "laptop" if manifest["target"] != "laptop" else "android"),
+    }
+    if manifest["target"] != "laptop":  # ONNX Runtime takes chunks of any length; the other programs are bounded
+        edits["max_chunk -1"] = edit("max_chunk", lambda v: v - 1)
+    return edits
+
+
+def manifest_field_edits(artifact: Path, tmp: Path) -> Counter:
+    """Each field no hash covers edited (field_edits): opening the artifact, as run and parity do, refuses it."""
+    from oscar_export.export.artifact import MANIFEST
+    from oscar_export.run import open_artifact
+
+    base = json.loads((artifact / MANIFEST).read_text())
+    counts = Counter()
+    work = tmp / "field_case"
+    shutil.copytree(artifact, work)
+    for apply in field_edits(base).values():
+        manifest = json.loads(json.dumps(base))
+        apply(manifest)
+        (work / MANIFEST).write_text(json.dumps(manifest))
+        counts[outcome(lambda: open_artifact(work), must_refuse=True)] += 1
+    return counts
+
+
+def hostile_traces(artifact: Path, tmp: Path) -> Counter:
+    """parity --against files that are well-formed traces of this artifact with values no run can give."""
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+
+    from oscar_export.export.artifact import MANIFEST
+    from oscar_export.parity import load_trace, save_trace
+
+    manifest = json.loads((artifact / MANIFEST).read_text())
+    genuine = tmp / "trace.safetensors"
+    save_trace(genuine, artifact, [1, 2, 3, 4], 3)
+    tensors = load_file(str(genuine))
+    with safe_open(str(genuine), "np") as f:
+        metadata = f.metadata()
+    codes = next(name for name in tensors if name.startswith("codes."))
+    edits = {
+        "prompt id 10**9": ("prompt", np.array([1, 10**9], np.int64)), "prompt id -5": ("prompt", np.array([-5], np.int64)),
+        "empty prompt": ("prompt", np.zeros(0, np.int64)), "prompt as floats": ("prompt", np.array([1.0, 2.0])),
+        "token id 10**9": ("tokens", np.array([10**9], np.int64)), "logits columns": ("logits", tensors["logits"][:, :-1]),
+        "logits float64": ("logits", tensors["logits"].astype(np.float64)),
+        "codes shape": (codes, tensors[codes][..., :-1]), "codes of no cache": ("codes.layer99.k_codes", tensors[codes]),
+        "steps 0": ("steps", "0"), "steps 10**8": ("steps", str(10**8)),
+        "prompt past the context": ("prompt", np.ones(manifest["max_context"], np.int64)),
+    }
+    counts = Counter()
+    for i, (name, value) in enumerate(edits.values()):
+        case, fields, meta = tmp / f"trace{i}.safetensors", dict(tensors), dict(metadata)
+        if name == "steps":
+            meta["steps"] = value
+        else:
+            fields[name] = value
+        save_file(fields, str(case), metadata=meta)
+        counts[outcome(lambda: load_trace(case, manifest), must_refuse=True)] += 1
+    return counts
+
+
+def hostile_checkpoints(tmp: Path) -> Counter:
+    """--model directories that are not a usable checkpoint: each refused by the loader of calibration, android and
+    ios (the whole model) and by a laptop export (which streams a safetensors checkpoint) before any work."""
+    from oscar_export.export.artifact import eos_ids
+    from oscar_export.export.pipeline import export_artifact
+    from oscar_export.models import BUNDLED_MODEL_DIR, load_model
+    from oscar_export.targets import get
+
+    def config(**changes):
+        def apply(d: Path) -> None:
+            cfg = json.loads((d / "config.json").read_text())
+            cfg.update(changes)
+            (d / "config.json").write_text(json.dumps(cfg))
+        return apply
+
+    def no_eos(d: Path) -> None:
+        config(eos_token_id=None)(d)
+        (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 0}))
+
+    weights = BUNDLED_MODEL_DIR / "model.safetensors"
+    edits = {
+        "no tokenizer": lambda d: [p.unlink() for p in d.glob("tokenizer*")],
+        "junk weights": lambda d: (d / "model.safetensors").write_bytes(b"\x00" * 1000),
+        "truncated weights": lambda d: (d / "model.safetensors").write_bytes(weights.read_bytes()[:100_000]),
+        "no weights": lambda d: (d / "model.safetensors").unlink(),
+        "heads 0": config(num_attention_heads=0), "hidden '64'": config(hidden_size="64"),
+        "layers -1": config(num_hidden_layers=-1), "vocab below the tokenizer's": config(vocab_size=1000),
+        "config not JSON": lambda d: (d / "config.json").write_text("{"),
+        "config a list": lambda d: (d / "config.json").write_text("[]"),
+        "no end of sequence": no_eos,
+    }
+    counts = Counter()
+    for i, change in enumerate(edits.values()):
+        work = tmp / f"checkpoint{i}"
+        shutil.copytree(BUNDLED_MODEL_DIR, work)
+        change(work)
+        counts[outcome(lambda: eos_ids(load_model(str(work))[0]), must_refuse=True)] += 1
+        counts[outcome(lambda: export_artifact(get("laptop"), str(work), tmp / "checkpoint_out", "hadamard", 64,
+                                               float_weights=True), must_refuse=True)] += 1
+    return counts
+
+
+def out_entries(artifact: Path, tmp: Path) -> Counter:
+    """--out holding what the user put there (a link, an empty folder tree), a link itself, or being written by
+    another export: refused before the model loads, and every entry of the user's still there afterwards."""
+    from oscar_export.export.artifact import export_lock
+    from oscar_export.export.pipeline import export_artifact
+    from oscar_export.targets import get
+
+    counts = Counter()
+    important = tmp / "important"
+    important.mkdir(exist_ok=True)
+
+    def case(name: str, make, out_of=lambda work: work, locked: bool = False) -> None:
+        work = tmp / f"out_{name}"
+        shutil.copytree(artifact, work)
+        kept = make(work)
+        out = out_of(work)
+
+        def export():
+            export_artifact(get("laptop"), "bundled", out, "hadamard", 64, float_weights=True)
+
+        if locked:
+            with export_lock(out):
+                result = outcome(export, must_refuse=True)
+        else:
+            result = outcome(export, must_refuse=True)
+        counts["lost" if not all(p.is_symlink() or p.exists() for p in kept) else result] += 1
+
+    def user_link(work: Path) -> list[Path]:
+        (work / "mylink").symlink_to(important)
+        return [work / "mylink", important]
+
+    def empty_tree(work: Path) -> list[Path]:
+        (work / "notes" / "drafts").mkdir(parents=True)
+        return [work / "notes" / "drafts"]
+
+    def link_out(work: Path) -> list[Path]:
+        (tmp / "link_to_artifact").symlink_to(work)
+        return [tmp / "link_to_artifact", work / "manifest.json"]
+
+    case("link", user_link)
+    case("tree", empty_tree)
+    case("out_link", link_out, out_of=lambda work: tmp / "link_to_artifact")
+    case("locked", lambda work: [work / "manifest.json"], locked=True)
+    return counts
+
+
 NATIVE_CASE = """
 import hashlib, json, sys
 from pathlib import Path
@@ -211,8 +393,11 @@ data = (work / name).read_bytes()
 manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 (work / MANIFEST).write_text(json.dumps(manifest))  # the manifest vouches for the damage: the loaders see it
 try:
-    from oscar_export.targets.laptop.runner import OrtLM
-    OrtLM(work, "onnxruntime" if name != "model_fallback.onnx" else "onnx-fallback", threads=1).prefill([1, 2, 3])
+    from oscar_export.run import open_artifact, run_artifact
+    _, _, target = open_artifact(work)
+    for runtime in target.runtimes:
+        if runtime not in target.unavailable_runtimes():
+            run_artifact(work, "The", 2, runtime=runtime, threads=1)
 except OscarInputError as err:
     print("refused" if "\\n" not in str(err) else "traceback")
 except Exception:
@@ -221,12 +406,19 @@ else:
     print("accepted")
 """
 
+# Where damage reaches a loader's parsing rather than only the weights' values: each target's programs, op
+# library and tokenizer (the ios model's description, weights and package manifest).
+PARSED_FILES = ("model.onnx", "model_fallback.onnx", "liboscar_ort.so", "model.pte", "liboscar_executorch.so",
+                "model.mlpackage/Data/com.apple.CoreML/model.mlmodel",
+                "model.mlpackage/Data/com.apple.CoreML/weights/weight.bin", "model.mlpackage/Manifest.json",
+                "tokenizer.json", "tokenizer_config.json")
+
 
 def fuzz_native_loads(rng: np.random.Generator, cases: int, artifact: Path, tmp: Path) -> Counter:
-    """Damaged .onnx files and op library with a manifest that matches them, loaded in a child process so
-    a crash is counted rather than fatal."""
+    """The artifact's parsed files damaged, with a manifest re-hashed to vouch for them, run on every runtime of
+    its target in a child process, so a crash is counted rather than fatal."""
     counts = Counter()
-    names = [n for n in ("model.onnx", "model_fallback.onnx", "liboscar_ort.so") if (artifact / n).is_file()]
+    names = [n for n in PARSED_FILES if (artifact / n).is_file()]
     for i in range(cases):
         work = tmp / f"native{i}"
         shutil.copytree(artifact, work)
@@ -310,6 +502,10 @@ def run(cases: int, seed: int, artifact: Path, tmp: Path, native_cases: int) -> 
         "manifests": fuzz_manifests(rng, cases, artifact, tmp),
         "artifact files": fuzz_artifact_files(rng, cases, artifact, tmp),
         "hostile files": hostile_manifest_files(artifact, tmp),
+        "manifest fields": manifest_field_edits(artifact, tmp),
+        "hostile traces": hostile_traces(artifact, tmp),
+        "hostile checkpoints": hostile_checkpoints(tmp),
+        "--out entries": out_entries(artifact, tmp),
         "native loads": fuzz_native_loads(rng, native_cases, artifact, tmp),
         "C API": fuzz_c_api(seed, cases * 10),
     }
@@ -337,7 +533,7 @@ def main() -> int:
     bad = 0
     for family, counts in results.items():
         print(f"{family}: " + ", ".join(f"{key} {counts.get(key, 0)}" for key in OUTCOMES))
-        bad += sum(counts.get(key, 0) for key in ("traceback", "crash", "silent"))
+        bad += sum(counts.get(key, 0) for key in BAD)
     return 1 if bad else 0
 
 

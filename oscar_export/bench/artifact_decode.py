@@ -53,8 +53,7 @@ def bench_artifact_decode(directory, contexts=None, steps: int = 32, threads: in
     """Prefill and decode tokens/s of the artifact and, with `gguf`, of llama.cpp, per context (default: a
     quarter of the artifact's context and all of it). profile: then a separate profiled run of the artifact
     per context says where its decode step goes (target.decode_profile)."""
-    from transformers import AutoTokenizer
-
+    from ..export.artifact import artifact_tokenizer
     from ..run import check_runtime, open_artifact
 
     directory, manifest, target = open_artifact(directory)
@@ -66,7 +65,7 @@ def bench_artifact_decode(directory, contexts=None, steps: int = 32, threads: in
             raise OscarInputError(f"--gguf {str(gguf)!r} is not a file: expected the model's GGUF")
         if importlib.util.find_spec("llama_cpp") is None:
             raise OscarInputError(f"--gguf: {LLAMACPP_MISSING}")
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer = artifact_tokenizer(directory)
     top = manifest["max_context"]
     contexts = list(contexts or (top // 4, top))
     for context in contexts:

@@ -10,10 +10,7 @@ from pathlib import Path
 
 from ..calibrations import CALIBRATED_K_ROUNDING, DEFAULT_TOKENS
 from ..config import SUPPORTED_BITS, OscarConfig, OscarInputError, default_cluster_dim, with_metadata_defaults
-from ..sizes import MAX_CONTEXT
-
-
-MAX_STEPS = 4096
+from ..sizes import MAX_CONTEXT, MAX_STEPS
 
 
 class Parser(argparse.ArgumentParser):

@@ -20,7 +20,7 @@ import torch
 
 from ..config import OscarConfig, OscarInputError, default_cluster_dim, with_metadata_defaults
 from ..rotation_files import load_rotations
-from ..sizes import MAX_CONTEXT
+from ..sizes import MAX_CONTEXT, cache_layout
 
 MANIFEST = "manifest.json"
 # A manifest lists a few hundred files at most: anything larger is not one (and is not read into memory).
@@ -58,21 +58,27 @@ def file_table(directory: Path) -> dict:
 def check_out(out: Path) -> None:
     """out may be new, empty, or a previous artifact holding only its own files (replaced); anything else,
     a user's file beside an artifact included, is refused rather than deleted."""
+    if out.is_symlink():
+        raise OscarInputError(f"--out {str(out)!r} is a link (to {os.readlink(out)!r}): expected the directory "
+                              "itself, which the export replaces; the link is left alone")
     if out.exists():
         if not out.is_dir():
             raise OscarInputError(f"--out {str(out)!r} is a file: expected a new or empty directory, or a previous "
                                   f"export to replace")
         if any(out.iterdir()):
             try:
-                listed = set(json.loads((out / MANIFEST).read_text())["files"]) | {MANIFEST}
-            except (OSError, ValueError, KeyError, TypeError):
+                listed = set(json.loads(_read_regular(out / MANIFEST, MANIFEST_BYTES))["files"]) | {MANIFEST}
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
                 raise OscarInputError(f"--out {str(out)!r} exists and is not an oscar-export artifact: expected a "
                                       f"new or empty directory, or a previous export to replace") from None
-            present = {str(p.relative_to(out)) for p in out.rglob("*") if not p.is_dir()}
+            # The folders holding listed files are the artifact's; any other entry (a link, an empty folder) is not.
+            folders = {str(parent) for name in listed for parent in Path(name).parents}
+            present = {str(p.relative_to(out)) for p in out.rglob("*")
+                       if p.is_symlink() or not p.is_dir() or str(p.relative_to(out)) not in folders}
             extra = sorted(present - listed)
             if extra:
                 shown = ", ".join(extra[:3]) + (", ..." if len(extra) > 3 else "")
-                raise OscarInputError(f"--out {str(out)!r} holds files the artifact did not write ({shown}): move "
+                raise OscarInputError(f"--out {str(out)!r} holds entries the artifact did not write ({shown}): move "
                                       f"them, or choose another --out")
     if not out.parent.is_dir():
         raise OscarInputError(f"--out {str(out)!r}: parent directory does not exist")
@@ -118,6 +124,34 @@ def check_export_args(out, rotations, device_memory: str) -> int:
 def default_context(shape, max_context: int | None) -> int:
     """--context, or the model's max_position_embeddings capped at 4096."""
     return max_context or min(4096, shape.max_position_embeddings or 4096)
+
+
+@contextlib.contextmanager
+def export_lock(out):
+    """Held while an export writes `out`: a second export to the same --out is refused at once, not raced."""
+    import fcntl
+
+    out = Path(out)
+    lock = out.with_name(f".{out.name}.lock")
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OscarInputError(f"--out {str(out)!r}: another export is writing it now: wait for it to finish, or "
+                                  "choose another --out") from None
+        try:
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:  # not a lock file its holder removed meanwhile
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.unlink(lock)
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -229,6 +263,11 @@ def _read_regular(path: Path, limit: int) -> str:
         return f.read(limit + 1).decode("utf-8")
 
 
+# A bound on the model's counts in a manifest (layers, heads, head_dim, vocabulary): far past any model, and it keeps a
+# hand-edited value from becoming an allocation.
+MODEL_FIELD_MAX = 1 << 24
+
+
 def _is_int(value) -> bool:
     return type(value) is int
 
@@ -248,13 +287,25 @@ def check_manifest(directory, manifest: dict) -> None:
         OscarConfig.from_dict(config)
     except (OscarInputError, TypeError) as err:
         raise OscarInputError(f"{where}: config: {err}; re-export the artifact") from None
+    for window in ("sink", "recent"):
+        if not config.get(window, 0) <= MAX_CONTEXT:
+            raise OscarInputError(f"{where}: config: {window}={config[window]!r}: expected at most {MAX_CONTEXT} "
+                                  "tokens; re-export the artifact")
     max_context = manifest.get("max_context")
     require(_is_int(max_context) and 1 <= max_context <= MAX_CONTEXT, "max_context", f"tokens in 1..{MAX_CONTEXT}")
     max_chunk = manifest.get("max_chunk")
     require(_is_int(max_chunk) and 1 <= max_chunk <= max_context, "max_chunk", f"tokens in 1..{max_context}")
+    model = manifest.get("model")
+    require(isinstance(model, dict) and isinstance(model.get("source"), str), "model",
+            "{source, model_type, layers, q_heads, kv_heads, head_dim, vocab}")
+    for field in ("layers", "q_heads", "kv_heads", "head_dim", "vocab"):
+        value = model.get(field)
+        if not (_is_int(value) and 1 <= value <= MODEL_FIELD_MAX):
+            raise OscarInputError(f"{where}: model.{field}={value!r}: expected a count in 1..{MODEL_FIELD_MAX}; "
+                                  "re-export the artifact")
     eos = manifest.get("eos_token_ids")
-    require(isinstance(eos, list) and all(_is_int(i) and i >= 0 for i in eos), "eos_token_ids",
-            "a list of token ids")
+    require(isinstance(eos, list) and bool(eos) and all(_is_int(i) and 0 <= i < model["vocab"] for i in eos),
+            "eos_token_ids", f"a non-empty list of token ids below the vocabulary's {model['vocab']}")
     require(manifest.get("rotations") in ROTATIONS, "rotations", f"one of {list(ROTATIONS)}")
     files = manifest.get("files")
     require(isinstance(files, dict) and bool(files), "files", "{name: {bytes, sha256}} of the artifact's files")
@@ -267,6 +318,32 @@ def check_manifest(directory, manifest: dict) -> None:
               and all(c in "0123456789abcdef" for c in meta["sha256"]))
         if not ok:
             raise OscarInputError(f"{where}: files[{name!r}]={meta!r}: expected {{bytes, sha256}}")
+
+
+def check_program(directory, manifest: dict, program: str, layout: dict, vocab: int | None,
+                  max_chunk: int | None) -> None:
+    """The manifest describes the program: its config, max_context and model shape give the cache buffers the
+    program holds (name -> (shape, element type), as the program declares them), its vocab the logits' width,
+    its max_chunk the longest chunk the program takes (None where the program does not bound it)."""
+    model = manifest["model"]
+    where = f"--artifact {str(directory)!r}: {MANIFEST} does not describe {program}"
+    expected = {name: (shape, dtype) for name, shape, dtype in
+                cache_layout(OscarConfig.from_dict(manifest["config"]), model["layers"], model["kv_heads"],
+                             model["head_dim"], manifest["max_context"])}
+    if list(expected) != list(layout):
+        raise OscarInputError(f"{where}: its model.layers={model['layers']} give {len(expected)} cache buffers, the "
+                              f"program holds {len(layout)}; re-export the artifact")
+    for name, (shape, dtype) in expected.items():
+        found = (tuple(layout[name][0]), layout[name][1])
+        if found != (shape, dtype):
+            raise OscarInputError(f"{where}: its config, max_context and model give {name} {shape} {dtype}, the "
+                                  f"program holds {found[0]} {found[1]}; re-export the artifact")
+    if vocab is not None and vocab != model["vocab"]:
+        raise OscarInputError(f"{where}: model.vocab={model['vocab']}, the program's logits have {vocab}; "
+                              "re-export the artifact")
+    if max_chunk is not None and max_chunk != manifest["max_chunk"]:
+        raise OscarInputError(f"{where}: max_chunk={manifest['max_chunk']}, the program takes chunks of at most "
+                              f"{max_chunk} tokens; re-export the artifact")
 
 
 _VERIFIED: set = set()  # (path, size, mtime_ns, sha256) already hashed in this process
@@ -299,8 +376,22 @@ def verify_files(directory, manifest: dict) -> None:
 
 
 def eos_ids(model) -> list[int]:
+    """The tokens that end a generation (generation_config.json's, else config.json's): a runner stops at them."""
     eos = model.generation_config.eos_token_id
-    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if eos is None:
+        eos = model.config.get_text_config().eos_token_id
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if not ids:
+        raise OscarInputError("the model names no end-of-sequence token (eos_token_id in generation_config.json or "
+                              "config.json): expected one, or every generation would run to the end of the context")
+    return ids
+
+
+def artifact_tokenizer(directory):
+    """The tokenizer an artifact carries; a damaged one is an error naming the artifact."""
+    from ..models import load_tokenizer
+
+    return load_tokenizer(directory, f"--artifact {str(directory)!r}")
 
 
 def prompt_ids(tokenizer, prompt: str, add_special_tokens: bool = True) -> list[int]:

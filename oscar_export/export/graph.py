@@ -16,13 +16,12 @@ from torch import nn
 from transformers.models.llama.modeling_llama import rotate_half
 
 from ..cache import check_rotation
-from ..sizes import KINDS, capacities
 from ..codec import uniform_levels
-from ..sizes import packed_bytes
+from ..sizes import CACHE_NAMES, KINDS, SCALE_BUFFER_DTYPES, cache_layout
 from ..config import OscarConfig, OscarInputError
 from ..hf_cache import attention_shape, resolve_rotations
 from ..models import FAMILIES
-from ..ops.attention import BUFFER_SCALE_DTYPES, CACHE_NAMES, op_attributes
+from ..ops.attention import op_attributes
 from ..rotations import hadamard_rotations
 
 
@@ -127,8 +126,8 @@ class OscarCausalLM(nn.Module):
         if isinstance(rotations, str) and rotations == "online":
             raise OscarInputError("rotations='online' estimates rotations from each prompt and cannot be exported: "
                                   "expected 'hadamard', 'none' or a rotation file (oscar-export calibrate)")
-        if config.scale_dtype not in BUFFER_SCALE_DTYPES:
-            raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected one of {tuple(BUFFER_SCALE_DTYPES)}, "
+        if config.scale_dtype not in SCALE_BUFFER_DTYPES:
+            raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected one of {tuple(SCALE_BUFFER_DTYPES)}, "
                                   "the scale formats the exported op stores")
         layers, kv_heads, head_dim, _ = attention_shape(model)
         config.check_head_dim(head_dim)
@@ -183,21 +182,9 @@ class OscarCausalLM(nn.Module):
                                  self.levels["v"][i].float(), None if self.feedback is None else self.feedback[i])
 
     def cache_spec(self, max_context: int) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
-        """(name, shape, dtype) of every cache buffer, layer by layer, in forward's order."""
-        h, d = self.kv_heads, self.head_dim
-        s, w, b = capacities(self.config, max_context)
-        g = d // self.config.cluster_dim
-        scales = BUFFER_SCALE_DTYPES[self.config.scale_dtype]
-        spec = []
-        for i, cfg in enumerate(self.config.layers(len(self.layers))):
-            one = {}
-            for kind in KINDS:
-                one[f"{kind}_sink"] = ((h, s, d), torch.float16)
-                one[f"{kind}_recent"] = ((h, w, d), torch.float16)
-                one[f"{kind}_codes"] = ((h, b, packed_bytes(d, cfg.bits(kind))), torch.uint8)
-                one[f"{kind}_scale"] = one[f"{kind}_zero"] = ((h, b, g), scales)
-            spec += [(f"layer{i}.{name}", *one[name]) for name in CACHE_NAMES]
-        return spec
+        """(name, shape, dtype) of every cache buffer, layer by layer, in forward's order (sizes.cache_layout)."""
+        return [(name, shape, getattr(torch, dtype)) for name, shape, dtype in
+                cache_layout(self.config, len(self.layers), self.kv_heads, self.head_dim, max_context)]
 
     def new_cache(self, max_context: int) -> list[torch.Tensor]:
         """Zeroed buffers for a sequence of up to max_context tokens (only `length` tokens are ever read)."""

@@ -10,7 +10,8 @@ business, so this package never imports the targets.
 
 from __future__ import annotations
 
-from .artifact import check_export_args, config_for, default_context, finish_manifest, save_inputs, staged
+from .artifact import (check_export_args, config_for, default_context, eos_ids, export_lock, finish_manifest,
+                       save_inputs, staged)
 
 
 def export_artifact(target, model_name: str, out, rotations="hadamard", max_context: int | None = None,
@@ -20,20 +21,26 @@ def export_artifact(target, model_name: str, out, rotations="hadamard", max_cont
     its TargetOptions, default target.options) into the directory `out`; returns the manifest. config_fields:
     OscarConfig fields (k_bits, cluster_dim, sink, ...); None keeps the default, or the rotation file's value for
     clip ratios and codebook."""
+    options = options or target.options
+    memory = check_export_args(out, rotations, device_memory or options.device_memory)
+    with export_lock(out):
+        return _export(target, model_name, out, rotations, max_context, float_weights, memory, options, config_fields)
+
+
+def _export(target, model_name, out, rotations, max_context, float_weights, memory, options, config_fields) -> dict:
     from ..hf_cache import resolve_rotations
     from ..models import is_gguf, load_model, model_dir, model_shape
     from ..planner import plan
     from .graph import OscarCausalLM
     from .streamed import StreamedWeights, is_streamable, meta_model
 
-    options = options or target.options
-    memory = check_export_args(out, rotations, device_memory or options.device_memory)
     shape = model_shape(model_name)
     max_context = default_context(shape, max_context)
     target.check(options, config_fields, max_context)
     checkpoint = None if is_gguf(model_name) else model_dir(model_name)
     streamed = target.streams_weights and checkpoint is not None and is_streamable(checkpoint)
     model, tokenizer = meta_model(checkpoint) if streamed else load_model(model_name)
+    eos_ids(model)  # a model that names no end of sequence is refused before minutes of lowering
     max_chunk = min(options.max_chunk, max_context)
     resolved = resolve_rotations(rotations, model)
     config = config_for(resolved, shape.head_dim, **config_fields)

@@ -35,10 +35,14 @@ class Shards:
                                       "'weight_map' of tensor name to shard file") from None
             self.files = {name: self.directory / shard for name, shard in weight_map.items()}
         elif (self.directory / SINGLE_FILE).is_file():
-            from safetensors import safe_open
+            from safetensors import SafetensorError, safe_open
 
-            with safe_open(self.directory / SINGLE_FILE, framework="pt") as f:
-                self.files = {name: self.directory / SINGLE_FILE for name in f.keys()}
+            try:
+                with safe_open(self.directory / SINGLE_FILE, framework="pt") as f:
+                    self.files = {name: self.directory / SINGLE_FILE for name in f.keys()}
+            except (OSError, SafetensorError) as err:
+                raise OscarInputError(f"model {str(directory)!r}: {SINGLE_FILE} is not a safetensors file ({err}): "
+                                      "expected the checkpoint's own weights") from None
         else:
             raise OscarInputError(f"model {str(directory)!r}: neither {INDEX_FILE} nor {SINGLE_FILE}: expected a "
                                   "safetensors checkpoint for a streamed export")
@@ -70,7 +74,9 @@ def is_streamable(name_or_path: str) -> bool:
 def meta_model(directory):
     """(model, tokenizer): the checkpoint's Hugging Face model on the meta device, no weight read, except
     the rotary embedding, which is made on the CPU (its frequencies are computed, not stored)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from ..models import check_vocabulary, load_tokenizer
 
     directory = Path(directory).expanduser()
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
@@ -80,7 +86,8 @@ def meta_model(directory):
     text.rotary_emb = type(text.rotary_emb)(config=text.config)
     if (directory / "generation_config.json").is_file():
         model.generation_config = GenerationConfig.from_pretrained(directory, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    tokenizer = load_tokenizer(directory, f"model {str(directory)!r}")
+    check_vocabulary(str(directory), tokenizer, config.get_text_config().vocab_size)
     return model.eval(), tokenizer
 
 

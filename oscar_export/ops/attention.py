@@ -12,12 +12,9 @@ from __future__ import annotations
 import torch
 
 from ..cache import OscarKVCache, buffer_layout
-from ..sizes import capacities
+from ..sizes import CACHE_NAMES, SCALE_BUFFER_DTYPES, capacities
 from ..config import OscarConfig, OscarInputError
 
-# One layer's cache buffers, in the op's input order (after q, k_new, v_new).
-CACHE_NAMES = ("k_sink", "v_sink", "k_recent", "v_recent", "k_codes", "k_scale", "k_zero",
-               "v_codes", "v_scale", "v_zero")
 ATTRIBUTES = ("k_bits", "v_bits", "cluster_dim", "sink", "recent", "k_clip", "v_clip", "scaling")
 
 # Every input of the op in order, with its dtype: the table the native adapters check against
@@ -32,7 +29,7 @@ INPUT_DTYPES = (("q", torch.float32), ("k_new", torch.float16), ("v_new", torch.
 INPUTS = tuple(name for name, _ in INPUT_DTYPES)
 SCALE_NAMES = ("k_scale", "k_zero", "v_scale", "v_zero")
 # The dtype of the op's scale and zero buffers for each scale_dtype it stores.
-BUFFER_SCALE_DTYPES = {"float16": torch.float16, "float8_e4m3fn": torch.uint8}
+BUFFER_SCALE_DTYPES = {name: getattr(torch, dtype) for name, dtype in SCALE_BUFFER_DTYPES.items()}
 
 
 def op_attributes(config: OscarConfig, scaling: float) -> dict:

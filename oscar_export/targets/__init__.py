@@ -93,6 +93,22 @@ class Target:
 
     # -- run and parity ----------------------------------------------------------------------
 
+    def program_io(self, directory: Path) -> list[tuple[str, dict, int | None, int | None]]:
+        """What each program file of the artifact declares, read without running it: (file name, cache buffers as
+        {layer{i}.k_sink ...: (shape, element type)}, the logits' width, the longest chunk it takes or None)."""
+        raise NotImplementedError
+
+    def check_artifact(self, directory: Path, manifest: dict) -> None:
+        """The verified manifest describes this target's programs: a manifest edited after the export (its hash
+        covers only the files) is an error naming the field, never a program run with the wrong layout."""
+        from ..export.artifact import MANIFEST, check_program
+
+        if manifest.get("runtime") != self.runtime:
+            raise OscarInputError(f"--artifact {str(directory)!r}: {MANIFEST}: runtime={manifest.get('runtime')!r}: "
+                                  f"expected {self.runtime!r}, the runtime of {self.name} artifacts; re-export it")
+        for program, layout, vocab, max_chunk in self.program_io(directory):
+            check_program(directory, manifest, program, layout, vocab, max_chunk)
+
     def runner(self, directory: Path, manifest: dict, runtime: str, threads: int):
         """A GreedyLM (export/artifact.py) over the artifact on `runtime`, one of self.runtimes."""
         raise NotImplementedError

@@ -263,6 +263,14 @@ def edit_manifest(**fields):
     return damage
 
 
+def edit_model(**fields):
+    def damage(out):
+        manifest = json.loads((out / "manifest.json").read_text())
+        manifest["model"].update(fields)
+        (out / "manifest.json").write_text(json.dumps(manifest))
+    return damage
+
+
 def zero_bytes(name):
     def damage(out):
         (out / name).write_bytes(bytes((out / name).stat().st_size))
@@ -286,6 +294,12 @@ def truncate(name):
     (edit_manifest(max_chunk="512"), "max_chunk='512'"),
     (edit_manifest(max_chunk=0), "max_chunk=0"),
     (edit_manifest(files={"../x": {"bytes": 1, "sha256": "0" * 64}}), "expected a path inside the artifact"),
+    # Fields no hash covers, in range but not what the program holds: cross-checked against model.onnx.
+    (edit_model(layers=5), "its model.layers=5 give 50 cache buffers, the program holds 40"),
+    (edit_model(kv_heads=1), "layer0.k_sink (1, "),
+    (edit_model(vocab=4097), "model.vocab=4097, the program's logits have 4096"),
+    (edit_manifest(eos_token_ids=[]), "eos_token_ids=[]: expected a non-empty list"),
+    (edit_manifest(runtime="bogus"), "runtime='bogus': expected 'onnxruntime'"),
 ])
 @pytest.mark.parametrize("command", ["run", "parity"])
 def test_damaged_artifact_is_refused_with_one_line(float_artifact, tmp_path, capsys, damage, needle, command):
@@ -302,7 +316,7 @@ def test_export_keeps_user_files_and_clears_stale_staging(float_artifact, tmp_pa
     stale = tmp_path / ".copy.tmp-999999999"  # a killed export's staging folder (no such process)
     stale.mkdir()
     assert main(["--target", "laptop", "--rotations", "hadamard", "--float-weights", "--out", str(out)]) == 2
-    assert "holds files the artifact did not write (notes.txt)" in capsys.readouterr().err
+    assert "holds entries the artifact did not write (notes.txt)" in capsys.readouterr().err
     assert (out / "notes.txt").read_text() == "mine" and stale.is_dir()  # refused before staging
     (out / "notes.txt").unlink()
     assert main(["--target", "laptop", "--rotations", "hadamard", "--float-weights", "--context", "256",

@@ -153,10 +153,16 @@ class _NoteTarget(Target):
         return reference_trace(directory, ids, steps)
 
     def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options, weights=None):
-        spec = [[name, list(shape)] for name, shape, _ in module.cache_spec(max_context)]
-        note = {"note": options.note, "max_chunk": max_chunk, "cache": spec}
+        spec = [[name, list(shape), str(dtype).removeprefix("torch.")] for name, shape, dtype in
+                module.cache_spec(max_context)]
+        note = {"note": options.note, "max_chunk": max_chunk, "cache": spec, "vocab": module.lm_head.out_features}
         return Lowered(lambda temp: (temp / "note.json").write_text(json.dumps(note)), "float32",
                        dict(weight_bits=16), {"note": options.note})
+
+    def program_io(self, directory):
+        note = json.loads((directory / "note.json").read_text())
+        return [("note.json", {name: (tuple(shape), dtype) for name, shape, dtype in note["cache"]}, note["vocab"],
+                 note["max_chunk"])]
 
 
 @pytest.fixture
@@ -171,7 +177,8 @@ def test_a_registered_target_goes_through_the_one_pipeline(notes_target, tmp_pat
     assert get("notes") is notes_target and manifest["target"] == "notes" and manifest["note"] == "hello"
     note = json.loads((out / "note.json").read_text())
     assert note["max_chunk"] == 64 and manifest["max_chunk"] == 64  # the target's option, capped by the context
-    assert note["cache"][0] == ["layer0.k_sink", [manifest["model"]["kv_heads"], 4, manifest["model"]["head_dim"]]]
+    assert note["cache"][0] == ["layer0.k_sink", [manifest["model"]["kv_heads"], 4, manifest["model"]["head_dim"]],
+                                "float16"]
     assert load_manifest(out)["files"]["note.json"]["bytes"] == (out / "note.json").stat().st_size
     assert manifest["plan"]["context"] == 128 and manifest["rotations"] == "hadamard"
     # The reference runtime is every target's: the eager graph over the artifact's own config and weights.

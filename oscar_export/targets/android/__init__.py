@@ -50,6 +50,11 @@ class AndroidTarget(Target):
         return lower_artifact(module, model, tokenizer, max_context, max_chunk, float_weights, options.group_size,
                               weights)
 
+    def program_io(self, directory):
+        from .runner import program_io
+
+        return program_io(directory)
+
     def runner(self, directory, manifest, runtime, threads):
         from .runner import EtLM
 
@@ -87,15 +92,13 @@ class AndroidTarget(Target):
     def trace(self, directory, manifest, runtime, ids, steps, forced=None):
         if runtime != "stock-runner":
             return super().trace(directory, manifest, runtime, ids, steps, forced)
-        from transformers import AutoTokenizer
-
         from .runner import stock_runner_generate
 
-        from ...export.artifact import prompt_ids
+        from ...export.artifact import artifact_tokenizer, prompt_ids
 
         # The C++ runner tokenizes text itself and returns pieces: it is compared on its own greedy tokens alone
         # (it cannot be fed others), and only on a prompt whose text tokenizes back to the same ids.
-        tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        tokenizer = artifact_tokenizer(directory)
         text = tokenizer.decode(ids)
         if prompt_ids(tokenizer, text) != list(ids):
             return {"skipped": "the prompt's text does not tokenize back to the same ids, and this runner takes text"}

@@ -21,13 +21,14 @@ import numpy as np
 import torch
 
 from ...config import OscarInputError
-from ...export.artifact import GreedyLM
+from ...export.artifact import GreedyLM, artifact_tokenizer
 from .lower import LIBRARY_FILE, MODEL_FILE
 from ...ops.attention import CACHE_NAMES
 
 RUNTIMES = ("executorch", "stock-runner")
 TOKENIZER_FILE = "tokenizer.json"
 OP = "oscar::attention.out"
+_SCALAR_TYPES = {0: "uint8", 4: "int64", 5: "float16", 6: "float32"}  # ExecuTorch's ScalarType codes
 _loaded: dict[str, ctypes.CDLL] = {}  # one kernel library per process: a second would register the op twice
 
 
@@ -95,9 +96,30 @@ def load_program(path):
             raise OscarInputError(f"{path}: not an ExecuTorch program (no ET12 header): expected the {MODEL_FILE} "
                                   f"an android export writes")
     try:
-        return portable_lib._load_program(str(path))
+        # InternalConsistency: the flatbuffer is verified before use, so a damaged program is an error, not a
+        # read past its buffers.
+        return portable_lib._load_program(str(path), program_verification=portable_lib.Verification.InternalConsistency)
     except RuntimeError as err:
         raise OscarInputError(f"{path}: ExecuTorch cannot load it ({str(err).splitlines()[0]}): re-export") from None
+
+
+def program_io(directory) -> list[tuple[str, dict, int, int]]:
+    """Target.program_io of an android artifact: forward's mutable cache buffers (in the op's order, layer by
+    layer), its logits width and its longest chunk, from the program's method metadata."""
+    directory = Path(directory)
+    load_kernels(directory / LIBRARY_FILE if (directory / LIBRARY_FILE).is_file() else None)
+    try:
+        meta = load_program(directory / MODEL_FILE).method_meta("forward")
+    except RuntimeError as err:
+        raise OscarInputError(f"{directory / MODEL_FILE}: ExecuTorch cannot read its forward method "
+                              f"({str(err).splitlines()[0][:200]}): re-export") from None
+    count = meta.num_attributes()
+    names = [f"layer{i // len(CACHE_NAMES)}.{CACHE_NAMES[i % len(CACHE_NAMES)]}" for i in range(count)]
+    layout = {}
+    for name, i in zip(names, range(count)):
+        tensor = meta.attribute_tensor_meta(i)
+        layout[name] = (tuple(tensor.sizes()), _SCALAR_TYPES.get(int(tensor.dtype()), f"type {int(tensor.dtype())}"))
+    return [(MODEL_FILE, layout, meta.output_tensor_meta(0).sizes()[-1], meta.input_tensor_meta(0).sizes()[-1])]
 
 
 class EtLM(GreedyLM):
@@ -111,8 +133,12 @@ class EtLM(GreedyLM):
         if threads:
             set_threads(threads)
         self.program = load_program(directory / MODEL_FILE)
-        self.method = self.program.load_method("forward")
-        self.max_context = int(self.program.load_method("get_max_context_len")([])[0])
+        try:
+            self.method = self.program.load_method("forward")
+            self.max_context = int(self.program.load_method("get_max_context_len")([])[0])
+        except RuntimeError as err:  # a program whose header parses but whose methods do not
+            raise OscarInputError(f"{directory / MODEL_FILE}: ExecuTorch cannot load its methods "
+                                  f"({str(err).splitlines()[0][:200]}): re-export") from None
         layers = self.method.method_meta().num_attributes() // len(CACHE_NAMES)
         self.cache_names = [f"cache.{i}.{name}" for i in range(layers) for name in CACHE_NAMES]
         self.max_chunk, self.length = max_chunk, 0
@@ -125,8 +151,10 @@ class EtLM(GreedyLM):
                                   f"max_context={self.max_context}: expected a shorter prompt or a larger --context")
         try:
             (logits,) = self.method([ids, torch.tensor([self.length], dtype=torch.int64)])
-        except RuntimeError as err:
-            raise RuntimeError(f"oscar::attention: {kernel_error()}" if kernel_error() else str(err)) from None
+        except RuntimeError as err:  # the kernel's own message where it refused its inputs
+            raise OscarInputError(f"{MODEL_FILE}: ExecuTorch failed running it ("
+                                  f"{f'oscar::attention: {kernel_error()}' if kernel_error() else str(err)}): the "
+                                  "program is damaged; re-export") from None
         self.length += ids.shape[1]
         return logits.numpy()[0, -1]
 
@@ -168,8 +196,6 @@ def piece_ids(tokenizer, pieces: list[str]) -> list[int | None]:
 def stock_runner_generate(directory, prompt: str, max_new_tokens: int, threads: int = 0) -> dict:
     """Greedy generation by ExecuTorch's TextLLMRunner, which tokenizes the prompt itself:
     {"tokens": [...] (ids recovered from the pieces), "text": "..."}."""
-    from transformers import AutoTokenizer
-
     directory = Path(directory)
     library = directory / LIBRARY_FILE
     load_kernels(library if library.is_file() else None)
@@ -180,10 +206,18 @@ def stock_runner_generate(directory, prompt: str, max_new_tokens: int, threads: 
     for name in (MODEL_FILE, TOKENIZER_FILE):
         if not (directory / name).is_file():
             raise OscarInputError(f"artifact {str(directory)!r} has no {name}: expected an android export directory")
-    runner = TextLLMRunner(str(directory / MODEL_FILE), str(directory / TOKENIZER_FILE))
+    try:
+        runner = TextLLMRunner(str(directory / MODEL_FILE), str(directory / TOKENIZER_FILE))
+    except RuntimeError as err:
+        raise OscarInputError(f"{directory / MODEL_FILE}: ExecuTorch's runner cannot load it with {TOKENIZER_FILE} "
+                              f"({str(err).splitlines()[0][:200]}): re-export") from None
     pieces: list[str] = []
     config = GenerationConfig(echo=False, max_new_tokens=max_new_tokens, temperature=0.0)
     with _stdout_to_stderr():
-        runner.generate(prompt, config, token_callback=pieces.append)
-    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        try:
+            runner.generate(prompt, config, token_callback=pieces.append)
+        except RuntimeError as err:  # its own checks (the context, the program's methods) say only "failed"
+            raise OscarInputError(f"{directory / MODEL_FILE}: ExecuTorch's runner stopped after {len(pieces)} "
+                                  f"tokens ({str(err).splitlines()[0][:200]}; its log above says why)") from None
+    tokenizer = artifact_tokenizer(directory)
     return {"tokens": piece_ids(tokenizer, pieces), "text": "".join(pieces)}

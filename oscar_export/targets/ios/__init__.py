@@ -97,6 +97,11 @@ class IosTarget(Target):
                        dict(deployment_target="iOS18 / macOS15", compute_precision="float32",
                             io=io_layout(module, max_context, max_chunk), cache=cache))
 
+    def program_io(self, directory):
+        from .runner import program_io
+
+        return program_io(directory)
+
     def runner(self, directory, manifest, runtime, threads):
         from .runner import CoreMLLM, load
 

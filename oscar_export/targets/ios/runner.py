@@ -45,7 +45,11 @@ class CoreMLLM(GreedyLM):
         if runtime == "coreml-mil":
             from .mil_eval import MilProgram, saved_program
 
-            self._program = MilProgram(saved_program(model))
+            try:
+                self._program = MilProgram(saved_program(model))
+            except (RuntimeError, ValueError) as err:  # the weight file's reader on a damaged blob
+                raise OscarInputError(f"the Core ML program's weights cannot be read ({str(err).splitlines()[0][:200]}):"
+                                      " the artifact is damaged; re-export") from None
             layout = dict(self._program.inputs)
             self._predict = self._program.run
         else:
@@ -86,6 +90,30 @@ class CoreMLLM(GreedyLM):
                 for name, array in self.cache.items() if name.endswith("_codes")}
 
 
+_ARRAY_TYPES = {65568: "float32", 65552: "float16", 131104: "int32"}  # Core ML's ArrayDataType codes
+
+
+def program_io(directory) -> list[tuple[str, dict, int | None, int]]:
+    """Target.program_io of an ios artifact: the model's cache inputs (code words read as the format's bytes), its
+    logits width where the description states it, and the longest chunk its input_ids take."""
+    from .lower import MODEL_FILE
+
+    spec = load(directory).get_spec()
+    layout, max_chunk = {}, 0
+    for feature in spec.description.input:
+        array = feature.type.multiArrayType
+        shape, dtype = tuple(int(n) for n in array.shape), _ARRAY_TYPES.get(array.dataType, f"type {array.dataType}")
+        if feature.name == "input_ids":
+            ranges = array.shapeRange.sizeRanges
+            max_chunk = int(ranges[-1].upperBound) if ranges else shape[-1]
+        elif feature.name != "length":
+            if feature.name.endswith("_codes") and dtype == "int32":  # int32 words hold the format's bytes
+                shape, dtype = (*shape[:-1], shape[-1] * 4), "uint8"
+            layout[feature.name.replace("_", ".", 1)] = (shape, dtype)
+    logits = [f.type.multiArrayType.shape for f in spec.description.output if f.name == "logits"]
+    return [(MODEL_FILE, layout, int(logits[0][-1]) if logits and logits[0] else None, max_chunk)]
+
+
 def load(directory):
     """The artifact's MLModel, without compiling it (compiling needs macOS)."""
     import coremltools as ct
@@ -95,4 +123,7 @@ def load(directory):
     path = Path(directory) / MODEL_FILE
     if not path.is_dir():
         raise OscarInputError(f"artifact {str(directory)!r} has no {MODEL_FILE}: expected an ios export directory")
-    return ct.models.MLModel(str(path), skip_model_load=not coreml_available()[0])
+    try:
+        return ct.models.MLModel(str(path), skip_model_load=not coreml_available()[0])
+    except Exception as err:  # protobuf's DecodeError, the package manifest's JSON parser, ...: a damaged package
+        raise OscarInputError(f"{path}: Core ML cannot read it ({str(err).splitlines()[0][:200]}): re-export") from None

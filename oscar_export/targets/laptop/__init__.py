@@ -79,6 +79,11 @@ class LaptopTarget(Target):
     def rounds_activations(self, manifest):
         return "int8 activations" in manifest["weights"]
 
+    def program_io(self, directory):
+        from .runner import program_io
+
+        return program_io(directory)
+
     def runner(self, directory, manifest, runtime, threads):
         from .runner import OrtLM
 

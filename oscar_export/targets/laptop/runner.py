@@ -19,6 +19,7 @@ from ...export.artifact import GreedyLM
 from .lower import FALLBACK_FILE, LIBRARY_FILE, MODEL_FILE
 
 RUNTIMES = ("onnxruntime", "onnx-fallback")
+_ELEMENT_TYPES = {1: "float32", 2: "uint8", 7: "int64", 10: "float16"}  # onnx.TensorProto's data types
 _DTYPES = {"tensor(float16)": np.float16, "tensor(uint8)": np.uint8, "tensor(float)": np.float32}
 
 
@@ -54,7 +55,7 @@ class OrtLM(GreedyLM):
         else:
             print("onnx-fallback: OscarAttention runs as a pure-ONNX function without the native library: slower, "
                   "and every step copies the whole cache", file=sys.stderr)
-        path = directory / (MODEL_FILE if self.native else FALLBACK_FILE)
+        path = self.path = directory / (MODEL_FILE if self.native else FALLBACK_FILE)
         if not path.is_file():
             raise OscarInputError(f"artifact {str(directory)!r} has no {path.name}: expected an export directory")
         try:
@@ -87,7 +88,11 @@ class OrtLM(GreedyLM):
         if not self.native:
             for name in self.cache_names:
                 self.binding.bind_output(f"{name}.next", "cpu")
-        self.session.run_with_iobinding(self.binding)
+        try:
+            self.session.run_with_iobinding(self.binding)
+        except Exception as err:  # onnxruntime's own Fail/RuntimeException types: a program it loaded but cannot run
+            raise OscarInputError(f"{self.path.name}: ONNX Runtime failed running it ({str(err).splitlines()[0][:300]}): "
+                                  "the program is damaged; re-export") from None
         outputs = self.binding.get_outputs()
         if not self.native:
             self._values = outputs[1:]
@@ -106,3 +111,25 @@ class OrtLM(GreedyLM):
         if self.native or self._values is None:
             return self.cache
         return {name: value.numpy() for name, value in zip(self.cache_names, self._values)}
+
+
+def program_io(directory) -> list[tuple[str, dict, int | None, None]]:
+    """Target.program_io of a laptop artifact: each graph's cache inputs and logits width (ONNX Runtime takes any
+    chunk length), read from the graphs without their weights."""
+    import onnx
+
+    out = []
+    for name in (MODEL_FILE, FALLBACK_FILE):
+        path = Path(directory) / name
+        try:
+            graph = onnx.load(path, load_external_data=False).graph
+        except Exception as err:  # protobuf's DecodeError and its relatives
+            raise OscarInputError(f"{path}: not an ONNX model ({str(err).splitlines()[0][:200]}): re-export") from None
+        layout = {}
+        for value in graph.input[2:]:
+            tensor = value.type.tensor_type
+            layout[value.name] = (tuple(dim.dim_value for dim in tensor.shape.dim),
+                                  _ELEMENT_TYPES.get(tensor.elem_type, f"type {tensor.elem_type}"))
+        dims = graph.output[0].type.tensor_type.shape.dim if graph.output else ()
+        out.append((name, layout, dims[-1].dim_value if dims else 0, None))
+    return out
