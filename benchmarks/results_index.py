@@ -23,6 +23,8 @@ groups = [
   "`bash benchmarks/smollm2_eval.sh`, `python benchmarks/{smollm2_levers,subspace_clustering,mixed_key_bits,head_key_bits,feedback_rounding,scale_storage,value_feedback}.py --split validation|test`, `oscar-export eval` (bundled: eval*, match*)"),
  ("GPU", r"^gpu/", "Triton kernels on an H200: exactness, decode timing against bf16 SDPA, the Triton tests, parity against a CUDA trace (gpu/README.md)", "NVIDIA H200",
   "`bash benchmarks/gpu_checks.sh`"),
+ ("Robustness", r"^fuzz_", "the fuzz harness's families, before and after a round of fixes (docs/robustness.md)", AMD,
+  "`.venv/bin/python tests/fuzz_inputs.py --cases 60 --native-cases 16 --seed 2 [--artifact A]`"),
  ("SmolLM2 through every target", r"^smollm2_targets", "export time, bytes against the planner, a chat answer, decode speed and parity of SmolLM2 on every target", AMD,
   "`bash benchmarks/smollm2_targets.sh`"),
 ]
