@@ -20,7 +20,7 @@ from .codec import unpack_codes
 from .config import OscarConfig, OscarInputError
 from .hf_cache import OscarCache, patch_model_for_kv_quant
 from .progress import progress
-from .sizes import MAX_STEPS, cache_layout
+from .sizes import MAX_STEPS
 from .targets import REFERENCE
 
 THRESHOLDS = {"codes_mismatch_fraction": 1e-3, "max_rel_error": 1e-3, "logits_max_rel_error": 1e-2}
@@ -210,6 +210,8 @@ def _check_trace(path, tensors: dict, steps: int, manifest: dict) -> None:
     """Every value of a trace file within what this artifact can have given: a trace is data from elsewhere."""
     import numpy as np
 
+    from .export.artifact import manifest_cache_layout
+
     vocab, context = manifest["model"]["vocab"], manifest["max_context"]
     prompt, tokens, logits = tensors["prompt"], tensors["tokens"], tensors["logits"]
 
@@ -227,9 +229,7 @@ def _check_trace(path, tensors: dict, steps: int, manifest: dict) -> None:
     require(1 <= len(tokens) <= steps, f"{len(tokens)} tokens for {steps} steps")
     require(logits.shape == (len(tokens), vocab) and logits.dtype == np.float32,
             f"logits {tuple(logits.shape)} {logits.dtype}, not ({len(tokens)}, {vocab}) float32")
-    layout = {name: shape for name, shape, _ in
-              cache_layout(OscarConfig.from_dict(manifest["config"]), manifest["model"]["layers"],
-                           manifest["model"]["kv_heads"], manifest["model"]["head_dim"], context)}
+    layout = {name: shape for name, shape, _ in manifest_cache_layout(manifest)}
     for name, array in tensors.items():
         if name.startswith("codes."):
             want = layout.get(name[len("codes."):]) if name.endswith("_codes") else None

@@ -320,6 +320,13 @@ def check_manifest(directory, manifest: dict) -> None:
             raise OscarInputError(f"{where}: files[{name!r}]={meta!r}: expected {{bytes, sha256}}")
 
 
+def manifest_cache_layout(manifest: dict) -> list[tuple[str, tuple[int, ...], str]]:
+    """sizes.cache_layout of a verified manifest's config, model shape and context."""
+    model = manifest["model"]
+    return cache_layout(OscarConfig.from_dict(manifest["config"]), model["layers"], model["kv_heads"],
+                        model["head_dim"], manifest["max_context"])
+
+
 def check_program(directory, manifest: dict, program: str, layout: dict, vocab: int | None,
                   max_chunk: int | None) -> None:
     """The manifest describes the program: its config, max_context and model shape give the cache buffers the
@@ -327,9 +334,7 @@ def check_program(directory, manifest: dict, program: str, layout: dict, vocab: 
     its max_chunk the longest chunk the program takes (None where the program does not bound it)."""
     model = manifest["model"]
     where = f"--artifact {str(directory)!r}: {MANIFEST} does not describe {program}"
-    expected = {name: (shape, dtype) for name, shape, dtype in
-                cache_layout(OscarConfig.from_dict(manifest["config"]), model["layers"], model["kv_heads"],
-                             model["head_dim"], manifest["max_context"])}
+    expected = {name: (shape, dtype) for name, shape, dtype in manifest_cache_layout(manifest)}
     if list(expected) != list(layout):
         raise OscarInputError(f"{where}: its model.layers={model['layers']} give {len(expected)} cache buffers, the "
                               f"program holds {len(layout)}; re-export the artifact")
