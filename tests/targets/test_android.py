@@ -82,6 +82,7 @@ def float_artifact(tmp_path_factory):
     return out
 
 
+@pytest.mark.float_paths
 def test_greedy_tokens_equal_the_reference(float_artifact, reference, prompt):
     assert EtLM(float_artifact, threads=1).generate(prompt, STEPS) == reference[0]
 
@@ -95,6 +96,7 @@ def test_stock_runner_gives_the_reference_text(float_artifact, module, tokenizer
     assert len(got["tokens"]) == len(want) and all(g in (None, w) for g, w in zip(got["tokens"], want))
 
 
+@pytest.mark.float_paths
 def test_cache_after_prefill_matches_the_reference(float_artifact, reference, prompt):
     """K/V come from XNNPACK's fp32 GEMMs, whose summation order differs from torch's: body mismatches
     counted and bounded (docs/format.md, section 7), fp16 windows within their rounding."""
@@ -114,6 +116,7 @@ def test_cache_after_prefill_matches_the_reference(float_artifact, reference, pr
     assert_within_bounds(body_mismatches(pairs, {"k": CONFIG["k_bits"], "v": CONFIG["v_bits"]}), "executorch")
 
 
+@pytest.mark.float_paths
 def test_synthetic_cache_state_decodes_like_the_eager_module(float_artifact, module):
     """bench memory's state (written through the program's own buffers) against the eager module on copies."""
     lm = EtLM(float_artifact, threads=1)

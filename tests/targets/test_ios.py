@@ -68,6 +68,7 @@ def body_codes_mismatches(lm: CoreMLLM, reference: dict, artifact) -> dict[str, 
 # -- the composition alone: bit-exact with the reference op (golden vectors: tests/ops/test_conformance.py) ------
 
 
+@pytest.mark.float_paths
 def test_composition_matches_random_reference_sequences():
     rng = np.random.default_rng(5)
     for i in range(12):
@@ -77,6 +78,7 @@ def test_composition_matches_random_reference_sequences():
         assert_final_cache(case, cache)
 
 
+@pytest.mark.float_paths
 def test_int32_words_unpack_every_bit_pattern():
     """Words with the sign bit set (negative int32) unpack to the format's codes, and pack back."""
     rng = np.random.default_rng(0)

@@ -77,12 +77,14 @@ def float_artifact(tmp_path_factory):
     return out
 
 
+@pytest.mark.float_paths
 @pytest.mark.parametrize("runtime", ["onnxruntime", "onnx-fallback"])
 def test_greedy_tokens_equal_the_reference(float_artifact, reference, prompt, runtime):
     tokens = OrtLM(float_artifact, runtime, threads=1).generate(prompt, STEPS)
     assert tokens == reference[0]
 
 
+@pytest.mark.float_paths
 @pytest.mark.parametrize("runtime", ["onnxruntime", "onnx-fallback"])
 def test_cache_after_prefill_matches_the_reference(float_artifact, reference, prompt, runtime):
     """ONNX Runtime's projections round differently from torch's: body mismatches counted and bounded."""
@@ -135,6 +137,7 @@ def test_graph_layout(float_artifact):
 # -- the fallback function alone: bit-exact with the reference (golden vectors: tests/ops/test_conformance.py) --
 
 
+@pytest.mark.float_paths
 def test_fallback_function_matches_random_reference_sequences():
     rng = np.random.default_rng(11)
     for i in range(40):
@@ -440,6 +443,7 @@ def test_per_layer_key_bits_run_in_onnx_runtime(tmp_path, prompt, scale_dtype):
         assert_within_bounds(counts, runtime)
 
 
+@pytest.mark.float_paths
 def test_feedback_rounding_runs_in_onnx_runtime(tmp_path, prompt):
     """K's codes chosen with error feedback: the native op and the pure-ONNX fallback both give the eager module's
     tokens and, up to counted rounding, its codes; and the codes are not those of nearest rounding."""
