@@ -89,26 +89,10 @@ def evaluate(
     if bits is not None:
         config = replace(config, k_bits=bits, v_bits=bits, k_bits_by_layer=(), k_clip_by_layer=())
     methods = list(methods)
-    if not methods or len(set(methods)) != len(methods):
-        raise OscarInputError(f"methods={methods}: expected distinct method specs")
-    for spec in methods:
-        method_config(spec, config)
-    bad = [m for m in metrics if m not in METRICS]
-    if bad:
-        raise OscarInputError(f"metrics={list(metrics)}: expected a subset of {list(METRICS)}")
-    for name, value in (("chunk", chunk), ("ppl_tokens", ppl_tokens), ("attn_tokens", attn_tokens),
-                        ("decode_tokens", decode_tokens),
-                        ("needle_tokens", needle_tokens), ("needle_seeds", needle_seeds),
-                        ("calibration_tokens", calibration_tokens), ("calibration_heldout", calibration_heldout)):
-        _check_positive(name, value)
-    if contexts is not None:
-        contexts = sorted(set(contexts))
-        if "perplexity" in metrics and not contexts:
-            raise OscarInputError("contexts: expected at least one context length")
-        for c in contexts:
-            _check_positive("contexts", c)
-    if needle_context is not None:
-        _check_positive("needle_context", needle_context)
+    contexts = _check_arguments(methods, config, metrics, contexts, needle_context, chunk=chunk, ppl_tokens=ppl_tokens,
+                                attn_tokens=attn_tokens, decode_tokens=decode_tokens, needle_tokens=needle_tokens,
+                                needle_seeds=needle_seeds, calibration_tokens=calibration_tokens,
+                                calibration_heldout=calibration_heldout)
     first = prefill if prefill is not None else max(config.sink + config.recent, chunk)
     _check_positive("prefill", first)
 
@@ -149,76 +133,21 @@ def evaluate(
                           calibration_tokens, calibration_heldout, match_clip, per_head)
     timings["methods_and_calibration"] = time.perf_counter() - t0
     note(f"eval: methods ready in {timings['methods_and_calibration']:.0f} s")
-    results = {
-        m.name: {
-            "rotation": m.rotation,
-            "config": m.config.to_dict() if m.config else None,
-            "notes": m.notes,
-            "perplexity": None,
-            "perplexity_by_context": {},
-            "attention_error": None,
-            "attention_error_by_layer": [],
-            "bits_per_element": None,
-            "bits_per_element_by_context": {},
-            "needle_accuracy": None,
-            "needle_by_depth": {},
-        }
-        for m in specs
-    }
+    results = {m.name: _empty_result(m) for m in specs}
 
     windows, needle_control = [], None
     if "perplexity" in metrics:
         t0 = time.perf_counter()
-        longest_context = contexts[-1]
-        count = min(max(1, ppl_tokens // longest_context), ids.shape[0] // longest_context)
-        if count == 0:
-            raise OscarInputError(
-                f"contexts: {longest_context} tokens but the evaluation part of {str(text)!r} has {ids.shape[0]}: "
-                f"expected a context length that fits"
-            )
-        windows = [ids[i * longest_context : (i + 1) * longest_context] for i in range(count)]
-        for m in specs:
-            t1 = time.perf_counter()
-            nll = torch.zeros(longest_context - 1)
-            for w in windows:
-                nll += token_nll(model, w, m.make(longest_context), chunk, first)
-            r = results[m.name]
-            # A causal model's first c tokens of a window are a window of c tokens.
-            r["perplexity_by_context"] = {str(c): math.exp(float(nll[: c - 1].sum()) / (count * (c - 1)))
-                                          for c in contexts}
-            r["perplexity"] = sum(r["perplexity_by_context"].values()) / len(contexts)
-            r["bits_per_element_by_context"] = {str(c): bits_at(m.make(1), c) for c in contexts}
-            note(f"eval: {m.name} perplexity " + ", ".join(f"{c}: {r['perplexity_by_context'][str(c)]:.3f}"
-                                                        for c in contexts)
-                 + f" ({count} window(s), {time.perf_counter() - t1:.0f} s)")
+        windows = _perplexity(model, specs, results, ids, contexts, ppl_tokens, chunk, first, text)
         timings["perplexity"] = time.perf_counter() - t0
-
     if "attention" in metrics:
         t0 = time.perf_counter()
-        if ids.shape[0] < attn_tokens:
-            raise OscarInputError(f"attn_tokens={attn_tokens}: the evaluation text has only {ids.shape[0]} tokens")
-        qkv = collect_qkv(model, ids[None, :attn_tokens])
-        for m in specs:
-            errors = attention_errors(qkv, m.make, decode_tokens)
-            results[m.name]["attention_error_by_layer"] = errors
-            results[m.name]["attention_error"] = sum(errors) / len(errors)
-            results[m.name]["bits_per_element_by_context"].setdefault(str(attn_tokens), bits_at(m.make(1), attn_tokens))
-            note(f"eval: {m.name} attention error {results[m.name]['attention_error']:.4f}")
+        _attention(model, specs, results, ids, attn_tokens, decode_tokens)
         timings["attention"] = time.perf_counter() - t0
-
     if "needle" in metrics:
         t0 = time.perf_counter()
         cases = needle_cases(ids, needle_context, needle_tokens, needle_prefix, needle_depths, needle_seeds)
-        for m in specs:
-            t1 = time.perf_counter()
-            acc = [needle_accuracy(model, case, m.make(needle_length), chunk, first) for case in cases]
-            by_depth = {str(d): sum(a[d] for a in acc) / len(acc) for d in sorted(needle_depths)}
-            results[m.name]["needle_by_depth"] = by_depth
-            results[m.name]["needle_accuracy"] = sum(by_depth.values()) / len(by_depth)
-            results[m.name]["bits_per_element_by_context"].setdefault(str(needle_length),
-                                                                      bits_at(m.make(1), needle_length))
-            note(f"eval: {m.name} needle at {needle_context}: {results[m.name]['needle_accuracy']:.3f} "
-                 f"({len(cases)} sequence(s) of {needle_length} tokens, {time.perf_counter() - t1:.0f} s)")
+        _needle(model, specs, results, cases, needle_depths, needle_context, needle_length, chunk, first)
         control = [needle_accuracy(model, case, Fp16Cache(layers, kv_heads, head_dim, needle_length), chunk, first)
                    for case in needle_cases(ids, needle_context, needle_tokens, needle_prefix, needle_depths,
                                             needle_seeds, control=True)]
@@ -265,3 +194,96 @@ def evaluate(
         "needle_control_accuracy": needle_control,
         "runtime_s": timings,
     }
+
+
+def _check_arguments(methods: list[str], config: OscarConfig, metrics, contexts, needle_context,
+                     **counts) -> list[int] | None:
+    """Every argument checked before the model loads; returns the sorted distinct contexts (None: the defaults)."""
+    if not methods or len(set(methods)) != len(methods):
+        raise OscarInputError(f"methods={methods}: expected distinct method specs")
+    for spec in methods:
+        method_config(spec, config)
+    bad = [m for m in metrics if m not in METRICS]
+    if bad:
+        raise OscarInputError(f"metrics={list(metrics)}: expected a subset of {list(METRICS)}")
+    for name, value in counts.items():
+        _check_positive(name, value)
+    if contexts is not None:
+        contexts = sorted(set(contexts))
+        if "perplexity" in metrics and not contexts:
+            raise OscarInputError("contexts: expected at least one context length")
+        for c in contexts:
+            _check_positive("contexts", c)
+    if needle_context is not None:
+        _check_positive("needle_context", needle_context)
+    return contexts
+
+
+def _empty_result(method) -> dict:
+    return {
+        "rotation": method.rotation,
+        "config": method.config.to_dict() if method.config else None,
+        "notes": method.notes,
+        "perplexity": None,
+        "perplexity_by_context": {},
+        "attention_error": None,
+        "attention_error_by_layer": [],
+        "bits_per_element": None,
+        "bits_per_element_by_context": {},
+        "needle_accuracy": None,
+        "needle_by_depth": {},
+    }
+
+
+def _perplexity(model, specs, results: dict, ids: torch.Tensor, contexts: list[int], ppl_tokens: int, chunk: int,
+                first: int, text: Path) -> list[torch.Tensor]:
+    """Each method's perplexity at every context over whole windows of the longest; returns the windows."""
+    longest_context = contexts[-1]
+    count = min(max(1, ppl_tokens // longest_context), ids.shape[0] // longest_context)
+    if count == 0:
+        raise OscarInputError(
+            f"contexts: {longest_context} tokens but the evaluation part of {str(text)!r} has {ids.shape[0]}: "
+            f"expected a context length that fits"
+        )
+    windows = [ids[i * longest_context : (i + 1) * longest_context] for i in range(count)]
+    for m in specs:
+        t1 = time.perf_counter()
+        nll = torch.zeros(longest_context - 1)
+        for w in windows:
+            nll += token_nll(model, w, m.make(longest_context), chunk, first)
+        r = results[m.name]
+        # A causal model's first c tokens of a window are a window of c tokens.
+        r["perplexity_by_context"] = {str(c): math.exp(float(nll[: c - 1].sum()) / (count * (c - 1)))
+                                      for c in contexts}
+        r["perplexity"] = sum(r["perplexity_by_context"].values()) / len(contexts)
+        r["bits_per_element_by_context"] = {str(c): bits_at(m.make(1), c) for c in contexts}
+        note(f"eval: {m.name} perplexity " + ", ".join(f"{c}: {r['perplexity_by_context'][str(c)]:.3f}"
+                                                    for c in contexts)
+             + f" ({count} window(s), {time.perf_counter() - t1:.0f} s)")
+    return windows
+
+
+def _attention(model, specs, results: dict, ids: torch.Tensor, attn_tokens: int, decode_tokens: int) -> None:
+    if ids.shape[0] < attn_tokens:
+        raise OscarInputError(f"attn_tokens={attn_tokens}: the evaluation text has only {ids.shape[0]} tokens")
+    qkv = collect_qkv(model, ids[None, :attn_tokens])
+    for m in specs:
+        errors = attention_errors(qkv, m.make, decode_tokens)
+        results[m.name]["attention_error_by_layer"] = errors
+        results[m.name]["attention_error"] = sum(errors) / len(errors)
+        results[m.name]["bits_per_element_by_context"].setdefault(str(attn_tokens), bits_at(m.make(1), attn_tokens))
+        note(f"eval: {m.name} attention error {results[m.name]['attention_error']:.4f}")
+
+
+def _needle(model, specs, results: dict, cases, depths: Sequence[float], needle_context: int, needle_length: int,
+            chunk: int, first: int) -> None:
+    for m in specs:
+        t1 = time.perf_counter()
+        acc = [needle_accuracy(model, case, m.make(needle_length), chunk, first) for case in cases]
+        by_depth = {str(d): sum(a[d] for a in acc) / len(acc) for d in sorted(depths)}
+        results[m.name]["needle_by_depth"] = by_depth
+        results[m.name]["needle_accuracy"] = sum(by_depth.values()) / len(by_depth)
+        results[m.name]["bits_per_element_by_context"].setdefault(str(needle_length),
+                                                                  bits_at(m.make(1), needle_length))
+        note(f"eval: {m.name} needle at {needle_context}: {results[m.name]['needle_accuracy']:.3f} "
+             f"({len(cases)} sequence(s) of {needle_length} tokens, {time.perf_counter() - t1:.0f} s)")
