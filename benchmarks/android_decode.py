@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
 
+    from oscar_export.config import OscarConfig
     from oscar_export.export.pipeline import export_artifact
     from oscar_export.targets import get
     from oscar_export.models import BUNDLED_MODEL_DIR, load_model
@@ -54,7 +55,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, cache in (("oscar", {}), ("fp16_cache", {"sink": args.context, "recent": 0})):
             out = Path(tmp) / name
-            export_artifact(get("android"), "bundled", out, "hadamard", args.context, float_weights=args.float_weights, **cache)
+            export_artifact(get("android"), "bundled", out, "hadamard", args.context, float_weights=args.float_weights,
+                            config=OscarConfig(**cache))
             results[name] = decode_rate(out, prompt, args.steps, args.threads)
             results[name]["pte_bytes"] = (out / "model.pte").stat().st_size
     report = {"context": args.context, "steps": args.steps, "threads": args.threads,

@@ -136,7 +136,7 @@ def budget_row(budget: float, context: int, model, tokenizer, calibration_text: 
         rotation_set, seconds = run_calibration(GGUF, OscarConfig(k_rounding=k_rounding, scale_dtype=scale_dtype),
                                                 path, CALIB_TOKENS, CALIB_HELDOUT, per_head=True, model=model,
                                                 tokenizer=tokenizer, budget=(budget, context))
-    config = config_for(rotation_set, head_dim)
+    config = config_for(rotation_set.metadata, head_dim)
     log(f"budget {budget} at {context}: chose {config.describe()} sink {config.sink} recent {config.recent} "
         f"in {seconds} s")
     wide = [i for i, b in enumerate(config.k_bits_by_layer) if b > config.k_bits] or None

@@ -19,10 +19,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .cache import OscarKVCache
 from .calibrate import online_rotations
 from .config import OscarConfig, OscarInputError
+from .rotation_files import ROTATION_MODES
 from .rotations import hadamard_rotations
 
 ATTENTION_IMPLEMENTATION = "oscar"
-ROTATION_MODES = ("online", "hadamard", "none")
 BACKENDS = ("reference", "triton")
 
 

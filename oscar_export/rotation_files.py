@@ -30,6 +30,9 @@ from .codec import check_feedback, check_finite, check_levels
 from .config import SUPPORTED_BITS, OscarConfig, OscarInputError
 from .rotations import max_orthogonality_error, orthogonality_errors
 
+# What --rotations takes besides a rotation file.
+ROTATION_MODES = ("online", "hadamard", "none")
+
 FORMAT_VERSION = "1"
 ORTHOGONALITY_TOLERANCE = 1e-4
 KINDS = ("k", "v")

@@ -10,7 +10,7 @@ import torch
 from gguf_files import write_bundled_gguf
 
 from oscar_export.cli import main
-from oscar_export.config import OscarInputError
+from oscar_export.config import OscarConfig, OscarInputError
 from oscar_export.export.pipeline import export_artifact
 from oscar_export.run import run_artifact
 from oscar_export.targets import get
@@ -44,9 +44,9 @@ def test_weights_and_tokenizer_load_as_the_checkpoint(gguf_file, tmp_path, half)
 
 
 def test_an_export_from_gguf_runs_as_the_checkpoint_does(gguf_file, tmp_path):
-    config = dict(k_bits=2, v_bits=2, sink=4, recent=8)
+    config = OscarConfig(k_bits=2, v_bits=2, sink=4, recent=8)
     for name, model in (("gguf", str(gguf_file)), ("bundled", "bundled")):
-        manifest = export_artifact(get("laptop"), model, tmp_path / name, "hadamard", 128, float_weights=True, **config)
+        manifest = export_artifact(get("laptop"), model, tmp_path / name, "hadamard", 128, float_weights=True, config=config)
         assert manifest["model"]["layers"] == 4
     got = run_artifact(tmp_path / "gguf", TEXT, 12, "onnxruntime", 1)
     assert got == run_artifact(tmp_path / "bundled", TEXT, 12, "onnxruntime", 1)

@@ -3,7 +3,6 @@ rotation file carries it into export, eval and plan."""
 
 import json
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -78,10 +77,10 @@ def test_fp8_scales_bring_the_long_context_budget_within_reach():
 def test_a_budget_files_scale_dtype_is_part_of_its_format():
     meta = {"budget_bits": 2.4, "k_bits": 2, "v_bits": 2, "cluster_dim": 64, "sink": 64, "recent": 256,
             "k_clip": 0.85, "v_clip": 0.7, "scale_dtype": "float8_e4m3fn"}
-    assert config_for(SimpleNamespace(metadata=meta), 64).scale_dtype == "float8_e4m3fn"
+    assert config_for(meta, 64).scale_dtype == "float8_e4m3fn"
     # Without a budget the file's format is not applied: its scale dtype only says how its clips were searched.
     plain = {key: value for key, value in meta.items() if key != "budget_bits"}
-    assert config_for(SimpleNamespace(metadata=plain), 64).scale_dtype == "float16"
+    assert config_for(plain, 64).scale_dtype == "float16"
 
 
 @pytest.fixture(scope="module")
@@ -197,22 +196,21 @@ def test_wider_clips_spread_up_to_no_clipping():
 def test_a_files_per_layer_key_bits_reach_export_unless_a_flag_sets_k(tmp_path):
     meta = {"budget_bits": 3.0, "k_bits": 2, "v_bits": 2, "cluster_dim": 64, "sink": 16, "recent": 128,
             "k_clip": 0.7, "v_clip": 0.7, "k_bits_by_layer": [2, 3, 3, 2], "k_clip_by_layer": [0.7, 0.8, 0.8, 0.7]}
-    rs = SimpleNamespace(metadata=meta)
-    config = config_for(rs, 64)
+    config = config_for(meta, 64)
     assert config.k_bits_by_layer == (2, 3, 3, 2) and config.k_clip_by_layer == (0.7, 0.8, 0.8, 0.7)
     assert config.layer(1) == OscarConfig(k_bits=3, k_clip=0.8, v_clip=0.7, sink=16, recent=128)
     for flag in (dict(k_bits=4), dict(k_clip=0.9)):  # a K the user sets holds for every layer
-        assert not config_for(rs, 64, **flag).mixed
+        assert not config_for(meta, 64, **flag).mixed
 
 
 
 def test_export_takes_the_format_from_the_file_unless_a_flag_says_otherwise(budget_file):
     rs = load_rotations(budget_file)
     meta = rs.metadata
-    config = config_for(rs, 64)
+    config = config_for(rs.metadata, 64)
     assert (config.k_bits, config.v_bits, config.cluster_dim, config.sink, config.recent, config.k_clip) == \
         (meta["k_bits"], meta["v_bits"], meta["cluster_dim"], meta["sink"], meta["recent"], meta["k_clip"])
-    assert config_for(rs, 64, k_bits=4, sink=8).k_bits == 4 and config_for(rs, 64, sink=8).sink == 8
+    assert config_for(rs.metadata, 64, k_bits=4, sink=8).k_bits == 4 and config_for(rs.metadata, 64, sink=8).sink == 8
 
 
 def test_plan_uses_the_files_format(budget_file, capsys):

@@ -172,7 +172,7 @@ def bench_decode(contexts, steps: int = 64, threads: int | None = None, model_na
         work.mkdir(parents=True, exist_ok=True)
         oscar_dir = work / "oscar"
         export_artifact(get(AndroidTarget.name), model_name, oscar_dir, "hadamard", capacity, float_weights=float_weights,
-                        **config.to_dict())
+                        config=config)
         names = {kind: export_et_cache(model_name, config, kind, capacity, work / f"{kind}.pte", float_weights)
                  for kind in CACHES}
         results = []

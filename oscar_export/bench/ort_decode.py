@@ -51,7 +51,7 @@ def oscar_decoder(directory: Path, model_name: str, context: int, config: OscarC
     from ..export.pipeline import export_artifact
 
     export_artifact(get(LaptopTarget.name), model_name, directory, "hadamard", context, float_weights=float_weights,
-                    **config.to_dict())
+                    config=config)
     return OrtLM(directory, "onnxruntime", threads)  # the op runs on the session's intra-op threads
 
 

@@ -279,14 +279,14 @@ def cmd_parity(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     if torch.cuda.is_available():
         model = model.cuda()
+    from ..rotation_files import ROTATION_MODES, load_rotations
+
     rotations, metadata = args.rotations, None
     if rotations == "calibrate":
         from ..calibrations import calibrated_rotations
 
         rotations = calibrated_rotations(args.model, config_from_args(args))[0]
-    if rotations not in ("hadamard", "online", "none"):
-        from ..rotation_files import load_rotations
-
+    if rotations not in ROTATION_MODES:
         rotations = load_rotations(rotations)
         metadata = rotations.metadata
     prompt = read_tokens(tokenizer, args.text, args.prompt_tokens).to(model.device)

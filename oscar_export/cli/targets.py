@@ -10,13 +10,13 @@ from pathlib import Path
 from ..bench import RUNTIMES, BenchRequest, kinds, measurer as bench_module
 from ..config import OscarInputError
 from ..targets import get, names, registry
-from .flags import (Parser, add_cache_flags, cache_flag_values, config_from_args, context_tokens, contexts, export_parser,
+from .flags import (Parser, add_cache_flags, config_from_args, context_tokens, contexts, export_parser,
                     export_rotations, greedy_steps, positive_int, thread_count)
 
 
 def export_target(argv: list[str]) -> int:
     """Run `oscar-export --target TARGET ...`; argv is the whole command line."""
-    from ..export.artifact import default_context
+    from ..export.artifact import default_context, rotation_metadata
     from ..export.pipeline import export_artifact
     from ..models import model_shape
 
@@ -29,13 +29,12 @@ def export_target(argv: list[str]) -> int:
         if missing:
             raise OscarInputError(f"this target cannot export here: {missing}")
         options = target.export_options(args)
-        fields = cache_flag_values(args)
-        # Before a calibration that may take minutes: a layout the target cannot run is refused at once.
-        target.check(options, fields, default_context(model_shape(args.model), args.context))
+        # Before a calibration that may take minutes: a format the target cannot run is refused at once.
+        target.check(options, config_from_args(args), default_context(model_shape(args.model), args.context))
         rotations, calibration = export_rotations(args)
         manifest = export_artifact(target, args.model, args.out, rotations=rotations, max_context=args.context,
                                    float_weights=args.float_weights, device_memory=args.device_memory,
-                                   options=options, **fields)
+                                   options=options, config=config_from_args(args, rotation_metadata(rotations)))
     except (OscarInputError, RuntimeError) as err:  # RuntimeError: a native library could not be built
         print(f"oscar-export --target {target.name}: error: {err}".splitlines()[0], file=sys.stderr)
         return 2

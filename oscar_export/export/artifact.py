@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..config import OscarConfig, OscarInputError, default_cluster_dim, with_metadata_defaults
-from ..rotation_files import load_rotations
+from ..rotation_files import ROTATION_MODES, load_rotations
 from ..sizes import MAX_CONTEXT, cache_layout
 
 MANIFEST = "manifest.json"
@@ -32,10 +32,19 @@ def manifest_format(target: str) -> str:
     return f"oscar-export/{target}/1"
 
 
-def config_for(rotations, head_dim: int | None = None, **fields) -> OscarConfig:
+def rotation_metadata(rotations) -> dict:
+    """The metadata of a rotation file (path) or RotationSet; {} for the modes (hadamard, online, none)."""
+    if rotations is None or isinstance(rotations, str) and rotations in ROTATION_MODES:
+        return {}
+    if isinstance(rotations, (str, Path)):
+        return load_rotations(rotations).metadata
+    return rotations.metadata
+
+
+def config_for(metadata: dict, head_dim: int | None = None, **fields) -> OscarConfig:
     """OscarConfig from the given fields; a rotation file's metadata fills in the rest
     (config.with_metadata_defaults), and an unset cluster_dim is then the default group for head_dim."""
-    fields = with_metadata_defaults(fields, getattr(rotations, "metadata", {}))
+    fields = with_metadata_defaults(fields, metadata)
     if fields.get("cluster_dim") is None:
         fields["cluster_dim"] = default_cluster_dim(head_dim)
     return OscarConfig(**{key: value for key, value in fields.items() if value is not None})
@@ -415,7 +424,7 @@ def eager_module(directory, manifest: dict):
     model, _ = load_model(manifest["model"]["source"])
     rotations = manifest["rotations"]
     resolved = resolve_rotations(str(Path(directory) / rotations) if rotations == ROTATION_FILE else rotations, model)
-    return OscarCausalLM(model, config_for(resolved, **manifest["config"]), resolved).eval()
+    return OscarCausalLM(model, config_for(rotation_metadata(resolved), **manifest["config"]), resolved).eval()
 
 
 def eager_trace(module, manifest: dict, ids: list[int], steps: int, device="cpu", forced=None) -> dict:

@@ -10,24 +10,27 @@ business, so this package never imports the targets.
 
 from __future__ import annotations
 
+from ..config import OscarConfig
 from .artifact import (check_export_args, config_for, default_context, eos_ids, export_lock, finish_manifest,
-                       save_inputs, staged)
+                       rotation_metadata, save_inputs, staged)
 
 
 def export_artifact(target, model_name: str, out, rotations="hadamard", max_context: int | None = None,
                     float_weights: bool = False, device_memory: str | None = None, options=None,
-                    **config_fields) -> dict:
+                    config: OscarConfig | None = None) -> dict:
     """Export `model_name` ('bundled' or a local checkpoint) for `target` (a registered targets.Target; options:
-    its TargetOptions, default target.options) into the directory `out`; returns the manifest. config_fields:
-    OscarConfig fields (k_bits, cluster_dim, sink, ...); None keeps the default, or the rotation file's value for
-    clip ratios and codebook."""
+    its TargetOptions, default target.options) into the directory `out`; returns the manifest. config: the cache
+    format, used as given; None: the defaults completed by the rotation file's metadata (its clip ratios, codebook
+    and K rounding, or the whole format a budget search chose), the group sized for the model's head_dim."""
     options = options or target.options
     memory = check_export_args(out, rotations, device_memory or options.device_memory)
+    if config is not None and not isinstance(config, OscarConfig):
+        raise TypeError(f"config is {type(config).__name__}: expected an OscarConfig or None")
     with export_lock(out):
-        return _export(target, model_name, out, rotations, max_context, float_weights, memory, options, config_fields)
+        return _export(target, model_name, out, rotations, max_context, float_weights, memory, options, config)
 
 
-def _export(target, model_name, out, rotations, max_context, float_weights, memory, options, config_fields) -> dict:
+def _export(target, model_name, out, rotations, max_context, float_weights, memory, options, config) -> dict:
     from ..hf_cache import resolve_rotations
     from ..models import is_gguf, load_model, model_dir, model_shape
     from ..planner import plan
@@ -36,14 +39,16 @@ def _export(target, model_name, out, rotations, max_context, float_weights, memo
 
     shape = model_shape(model_name)
     max_context = default_context(shape, max_context)
-    target.check(options, config_fields, max_context)
+    if config is None:
+        config = config_for(rotation_metadata(rotations), shape.head_dim)
+    config.check_head_dim(shape.head_dim)
+    target.check(options, config, max_context)
     checkpoint = None if is_gguf(model_name) else model_dir(model_name)
     streamed = target.streams_weights and checkpoint is not None and is_streamable(checkpoint)
     model, tokenizer = meta_model(checkpoint) if streamed else load_model(model_name)
     eos_ids(model)  # a model that names no end of sequence is refused before minutes of lowering
     max_chunk = min(options.max_chunk, max_context)
     resolved = resolve_rotations(rotations, model)
-    config = config_for(resolved, shape.head_dim, **config_fields)
     module = OscarCausalLM(model, config, resolved).eval()
     weights = StreamedWeights(module, model, checkpoint) if streamed else None
     lowered = target.lower(module, model, tokenizer, max_context, max_chunk, float_weights, options, weights)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..config import OscarInputError
+from ..config import OscarConfig, OscarInputError
 
 REFERENCE = "reference"  # every target's run/parity runtime: the eager graph with the artifact's own weights
 
@@ -81,8 +81,8 @@ class Target:
     def export_options(self, args: argparse.Namespace) -> TargetOptions:
         return self.options
 
-    def check(self, options: TargetOptions, config_fields: dict, max_context: int) -> None:
-        """Reject a layout this target cannot run, before the model is loaded."""
+    def check(self, options: TargetOptions, config: OscarConfig, max_context: int) -> None:
+        """Reject a cache format or layout this target cannot run, before the model is loaded."""
 
     def lower(self, module, model, tokenizer, max_context: int, max_chunk: int, float_weights: bool,
               options: TargetOptions, weights=None) -> Lowered:

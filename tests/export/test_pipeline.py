@@ -6,6 +6,7 @@ import shutil
 import pytest
 
 from oscar_export.cli import main
+from oscar_export.config import OscarConfig
 from oscar_export.export.pipeline import export_artifact
 from oscar_export.targets import get
 from oscar_export.models import BUNDLED_MODEL_DIR
@@ -21,9 +22,9 @@ def artifacts(tmp_path_factory):
     chat_model = work / "chat-model"
     shutil.copytree(BUNDLED_MODEL_DIR, chat_model)
     (chat_model / "chat_template.jinja").write_text(TEMPLATE)
-    config = dict(k_bits=2, v_bits=2, sink=4, recent=8)
+    config = OscarConfig(k_bits=2, v_bits=2, sink=4, recent=8)
     for name, model in (("chat", str(chat_model)), ("plain", "bundled")):
-        export_artifact(get("laptop"), model, work / name, "hadamard", 128, float_weights=True, **config)
+        export_artifact(get("laptop"), model, work / name, "hadamard", 128, float_weights=True, config=config)
     return work
 
 

@@ -78,7 +78,8 @@ def reference(module, prompt):
 @pytest.fixture(scope="module")
 def float_artifact(tmp_path_factory):
     out = tmp_path_factory.mktemp("android") / "float"
-    export_artifact(get("android"), "bundled", out, "hadamard", CONTEXT, float_weights=True, **CONFIG)
+    export_artifact(get("android"), "bundled", out, "hadamard", CONTEXT, float_weights=True,
+                    config=OscarConfig(**CONFIG))
     return out
 
 
@@ -332,7 +333,7 @@ def test_per_layer_key_bits_run_in_executorch(tmp_path, prompt, tokenizer, scale
     its codes and scale bits."""
     mixed = dict(CONFIG, k_bits_by_layer=(2, 3, 4, 2), k_clip_by_layer=(1.0, 0.9, 1.0, 0.8), scale_dtype=scale_dtype)
     manifest = export_artifact(get("android"), "bundled", tmp_path / "mixed", "hadamard", CONTEXT, float_weights=True,
-                               **mixed)
+                               config=OscarConfig(**mixed))
     assert manifest["config"]["k_bits_by_layer"] == [2, 3, 4, 2] and manifest["config"]["scale_dtype"] == scale_dtype
     from executorch.extension.pybindings import portable_lib
 

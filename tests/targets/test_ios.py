@@ -333,7 +333,8 @@ def test_per_layer_key_bits_run_in_the_mil_program(tmp_path, prompt):
     their own width, and the program gives the eager graph's tokens, logits and, up to counted rounding, codes."""
     mixed = dict(k_bits=2, v_bits=2, cluster_dim=64, sink=16, recent=32, k_bits_by_layer=(2, 3, 4, 2),
                  k_clip_by_layer=(1.0, 0.9, 1.0, 0.8))
-    manifest = export_artifact(get("ios"), "bundled", tmp_path / "mixed", "hadamard", 200, float_weights=True, **mixed)
+    manifest = export_artifact(get("ios"), "bundled", tmp_path / "mixed", "hadamard", 200, float_weights=True,
+                               config=OscarConfig(**mixed))
     outputs = {row["name"]: row["shape"] for row in manifest["io"]["outputs"]}
     assert [outputs[f"layer{i}_k_body_codes"][-1] for i in range(LAYERS)] == [64 * b // 32 for b in (2, 3, 4, 2)]
     reference = reference_trace(tmp_path / "mixed", prompt[:100], 8)

@@ -73,7 +73,8 @@ def float_artifact(tmp_path_factory):
     if not ort_op_buildable():
         pytest.skip("liboscar_ort.so needs cmake, g++ and ORT headers")
     out = tmp_path_factory.mktemp("laptop") / "float"
-    export_artifact(get("laptop"), "bundled", out, "hadamard", CONTEXT, float_weights=True, **CONFIG)
+    export_artifact(get("laptop"), "bundled", out, "hadamard", CONTEXT, float_weights=True,
+                    config=OscarConfig(**CONFIG))
     return out
 
 
@@ -419,7 +420,7 @@ def test_per_layer_key_bits_run_in_onnx_runtime(tmp_path, prompt, scale_dtype):
     and scale bits, on the native op and the pure-ONNX fallback alike."""
     mixed = dict(CONFIG, k_bits_by_layer=(2, 3, 4, 2), k_clip_by_layer=(1.0, 0.9, 1.0, 0.8), scale_dtype=scale_dtype)
     manifest = export_artifact(get("laptop"), "bundled", tmp_path / "mixed", "hadamard", CONTEXT, float_weights=True,
-                               **mixed)
+                               config=OscarConfig(**mixed))
     assert manifest["config"]["k_bits_by_layer"] == [2, 3, 4, 2] and manifest["config"]["scale_dtype"] == scale_dtype
     fp8 = scale_dtype == "float8_e4m3fn"
     if fp8:
@@ -455,7 +456,8 @@ def test_feedback_rounding_runs_in_onnx_runtime(tmp_path, prompt):
     path = tmp_path / "feedback.safetensors"
     save_rotations(path, RotationSet(k=rot, v=rot, metadata={"k_rounding": "feedback"}, k_feedback=weights))
     config = dict(CONFIG, k_rounding="feedback")
-    manifest = export_artifact(get("laptop"), "bundled", tmp_path / "fb", str(path), CONTEXT, float_weights=True, **config)
+    manifest = export_artifact(get("laptop"), "bundled", tmp_path / "fb", str(path), CONTEXT, float_weights=True,
+                               config=OscarConfig(**config))
     assert manifest["config"]["k_rounding"] == "feedback"
     want = {}
     for rounding in ("feedback", "nearest"):

@@ -12,6 +12,7 @@ import pytest
 
 from oscar_export import targets as registry_module
 from oscar_export.cli.main import build_parser
+from oscar_export.config import OscarConfig
 from oscar_export.export.artifact import load_manifest
 from oscar_export.bench import RUNTIMES
 from oscar_export.export.pipeline import export_artifact
@@ -173,7 +174,8 @@ def notes_target(monkeypatch):
 
 def test_a_registered_target_goes_through_the_one_pipeline(notes_target, tmp_path):
     out = tmp_path / "notes"
-    manifest = export_artifact(get("notes"), "bundled", out, "hadamard", 128, k_bits=2, v_bits=2, sink=4, recent=8)
+    manifest = export_artifact(get("notes"), "bundled", out, "hadamard", 128,
+                               config=OscarConfig(k_bits=2, v_bits=2, sink=4, recent=8))
     assert get("notes") is notes_target and manifest["target"] == "notes" and manifest["note"] == "hello"
     note = json.loads((out / "note.json").read_text())
     assert note["max_chunk"] == 64 and manifest["max_chunk"] == 64  # the target's option, capped by the context

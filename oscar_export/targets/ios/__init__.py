@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...config import OscarConfig
 from .. import Lowered, Target, TargetOptions, register
 
 LONG_CONTEXT = 32768  # the context at which the manifest states the cache's bits per element
@@ -68,13 +67,11 @@ class IosTarget(Target):
                 "coreml": "MLModel.predict (macOS)"}
     float_weights_help = "keep fp16 weights (default: 4-bit, coremltools.optimize linear quantization)"
 
-    def check(self, options, config_fields, max_context):
+    def check(self, options, config, max_context):
         from .lower import check_layout, check_scale_dtype
 
-        defaults = OscarConfig()
-        check_scale_dtype(config_fields.get("scale_dtype") or defaults.scale_dtype)
-        check_layout(defaults.sink if config_fields.get("sink") is None else config_fields["sink"],
-                     defaults.recent if config_fields.get("recent") is None else config_fields["recent"], max_context)
+        check_scale_dtype(config.scale_dtype)
+        check_layout(config.sink, config.recent, max_context)
 
     def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options,
               weights=None) -> Lowered:
