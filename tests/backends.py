@@ -27,7 +27,7 @@ from native_core_api import Core
 from oscar_export import OscarKVCache
 from oscar_export.native import (EXECUTORCH_INVOKE, build_native, core_library_path, executorch_dir,
                                  ort_include_dir, ort_library_path)
-from oscar_export.ops.attention import CACHE_NAMES, SCALE_NAMES
+from oscar_export.ops.attention import CACHE_NAMES, SCALE_NAMES, op_attributes
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,7 @@ def ort_model(attrs: dict, types: dict | None = None) -> bytes:
 
 
 def ort_attributes(case: Case, threads: int = 1) -> dict:
-    cfg = case.config
-    return dict(k_bits=cfg.k_bits, v_bits=cfg.v_bits, cluster_dim=cfg.cluster_dim, sink=cfg.sink,
-                recent=cfg.recent, k_clip=cfg.k_clip, v_clip=cfg.v_clip, scaling=case.scaling, threads=threads)
+    return dict(op_attributes(case.config, case.scaling), threads=threads)
 
 
 class Sessions:
@@ -205,8 +203,8 @@ class Kernel:
         dtypes = (ctypes.c_int32 * n)(*[SCALAR_TYPES[a.dtype] for a in arrays])
         ranks = (ctypes.c_int32 * n)(*[a.ndim for a in arrays])
         dims = (ctypes.c_int64 * (3 * n))(*[d for a in arrays for d in (list(a.shape) + [1, 1, 1])[:3]])
-        ints = (ctypes.c_int64 * 5)(*attrs[:5])
-        floats = (ctypes.c_double * 3)(*attrs[5:])
+        ints = (ctypes.c_int64 * 8)(*attrs[:5], *attrs[8:])  # the schema's ints, then its floats
+        floats = (ctypes.c_double * 3)(*attrs[5:8])
         rc = self.hook.oscar_et_invoke(ptrs, dtypes, ranks, dims, ints, floats)
         if rc:
             raise RuntimeError(f"error 0x{rc:x}: {self.error()}")
@@ -214,9 +212,10 @@ class Kernel:
 
 
 def et_attributes(case: Case) -> tuple:
-    cfg = case.config
-    return (cfg.k_bits, cfg.v_bits, cfg.cluster_dim, cfg.sink, cfg.recent, float(np.float32(cfg.k_clip)),
-            float(np.float32(cfg.v_clip)), case.scaling)
+    """The op's attributes in schema order, the clips rounded to fp32 as a program stores them."""
+    attrs = op_attributes(case.config, case.scaling)
+    attrs.update(k_clip=float(np.float32(attrs["k_clip"])), v_clip=float(np.float32(attrs["v_clip"])))
+    return tuple(attrs.values())
 
 
 @functools.cache
@@ -234,11 +233,10 @@ def _et_attend(case, cache, q, k, v, length, kernel=None):
 
 
 def _torch_attend(case, cache, q, k, v, length, variant="inplace"):
-    cfg = case.config
     buffers = {name: torch.from_numpy(a) for name, a in cache.items()}  # views: the in-place variants write `cache`
     args = (*(torch.from_numpy(x) for x in (q, k, v)), *(buffers[n] for n in CACHE_NAMES), buffers["k_levels"],
-            buffers["v_levels"], buffers["k_feedback"], torch.tensor([length]), cfg.k_bits, cfg.v_bits,
-            cfg.cluster_dim, cfg.sink, cfg.recent, cfg.k_clip, cfg.v_clip, case.scaling)
+            buffers["v_levels"], buffers["k_feedback"], torch.tensor([length]),
+            *op_attributes(case.config, case.scaling).values())
     if variant == "functional":
         before = {n: cache[n].copy() for n in CACHE_NAMES}
         out, *updated = torch.ops.oscar.attention_functional(*args)
@@ -301,8 +299,7 @@ def _coreml_attend(case, cache, q, k, v, length):
     out, *rows = attention_rows(
         *(torch.from_numpy(x) for x in (q, k, v)), *(torch.from_numpy(words[name]) for name in CACHE_NAMES),
         torch.from_numpy(cache["k_levels"]), torch.from_numpy(cache["v_levels"]), torch.from_numpy(cache["k_feedback"]),
-        torch.tensor([length], dtype=torch.int32), cfg.k_bits, cfg.v_bits, cfg.cluster_dim, cfg.sink, cfg.recent,
-        cfg.k_clip, cfg.v_clip, case.scaling)
+        torch.tensor([length], dtype=torch.int32), *op_attributes(cfg, case.scaling).values())
     apply_rows(words, {name: r.numpy() for name, r in zip(ROW_NAMES, rows)}, length, cfg.sink, cfg.recent)
     return out.numpy()
 
@@ -328,10 +325,7 @@ def op_model(case: Case):
     inputs = [helper.make_tensor_value_info(name, types[cache[name].dtype], cache[name].shape) if name in cache
               else helper.make_tensor_value_info(name, {"q": TensorProto.FLOAT, "length": TensorProto.INT64}.get(
                   name, TensorProto.FLOAT16), None) for name in INPUTS]
-    cfg = case.config
-    node = helper.make_node(OP, list(INPUTS), ["out"], domain=DOMAIN, k_bits=cfg.k_bits, v_bits=cfg.v_bits,
-                            cluster_dim=cfg.cluster_dim, sink=cfg.sink, recent=cfg.recent, k_clip=cfg.k_clip,
-                            v_clip=cfg.v_clip, scaling=case.scaling)
+    node = helper.make_node(OP, list(INPUTS), ["out"], domain=DOMAIN, **op_attributes(case.config, case.scaling))
     graph = helper.make_graph([node], "one", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid(DOMAIN, 1)])
 

@@ -15,7 +15,12 @@ from ..cache import OscarKVCache, buffer_layout
 from ..sizes import CACHE_NAMES, SCALE_BUFFER_DTYPES, capacities
 from ..config import OscarConfig, OscarInputError
 
-ATTRIBUTES = ("k_bits", "v_bits", "cluster_dim", "sink", "recent", "k_clip", "v_clip", "scaling")
+ATTRIBUTES = ("k_bits", "v_bits", "cluster_dim", "sink", "recent", "k_clip", "v_clip", "scaling", "codebook",
+              "k_rounding", "scale_dtype")
+# The integer codes of the format's named choices, as the op carries them (the native core's enums in oscar_core.h):
+# every backend reads the format from the attributes, never from a buffer's type or size.
+ATTRIBUTE_CODES = {"codebook": ("uniform", "lloyd-max"), "k_rounding": ("nearest", "feedback"),
+                   "scale_dtype": tuple(SCALE_BUFFER_DTYPES)}
 
 # Every input of the op in order, with its dtype: the table the native adapters check against
 # (oscar_core.h kBufferNames; oscar_ort.cc and oscar_et.cc kInputTypes). `length` is the op's last input.
@@ -35,12 +40,31 @@ BUFFER_SCALE_DTYPES = {name: getattr(torch, dtype) for name, dtype in SCALE_BUFF
 def op_attributes(config: OscarConfig, scaling: float) -> dict:
     """The op's attributes for one layer's format (config.layer(i) where K's width is per layer), by ATTRIBUTES'
     names in their order: every backend, the graph and the benches take them from here."""
+    if config.scale_dtype not in SCALE_BUFFER_DTYPES:
+        raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected one the op stores, "
+                              f"{' or '.join(SCALE_BUFFER_DTYPES)}")
     return {"k_bits": config.k_bits, "v_bits": config.v_bits, "cluster_dim": config.cluster_dim, "sink": config.sink,
             "recent": config.recent, "k_clip": float(config.k_clip), "v_clip": float(config.v_clip),
-            "scaling": float(scaling)}
+            "scaling": float(scaling), **{name: codes.index(getattr(config, name))
+                                           for name, codes in ATTRIBUTE_CODES.items()}}
 
 
-_ATTRS = "int k_bits, int v_bits, int cluster_dim, int sink, int recent, float k_clip, float v_clip, float scaling"
+def attribute_config(attrs: dict) -> OscarConfig:
+    """The one layer's format the op's attributes state (scaling aside); an unknown code is an error naming it."""
+    named = {}
+    for name, codes in ATTRIBUTE_CODES.items():
+        code = attrs[name]
+        if isinstance(code, bool) or not isinstance(code, int) or not 0 <= code < len(codes):
+            raise OscarInputError(f"attribute {name}={code!r}: expected an integer code 0..{len(codes) - 1} "
+                                  f"({', '.join(f'{i}: {c}' for i, c in enumerate(codes))})")
+        named[name] = codes[code]
+    return OscarConfig(k_bits=attrs["k_bits"], v_bits=attrs["v_bits"], cluster_dim=attrs["cluster_dim"],
+                       sink=attrs["sink"], recent=attrs["recent"], k_clip=attrs["k_clip"], v_clip=attrs["v_clip"],
+                       **named)
+
+
+_ATTRS = ("int k_bits, int v_bits, int cluster_dim, int sink, int recent, float k_clip, float v_clip, float scaling, "
+          "int codebook, int k_rounding, int scale_dtype")
 _MUTABLE = ", ".join(f"Tensor({chr(ord('a') + i)}!) {name}" for i, name in enumerate(CACHE_NAMES))
 _PLAIN = ", ".join(f"Tensor {name}" for name in CACHE_NAMES)
 
@@ -58,36 +82,38 @@ _lib.define(f"attention.out({_schema(_MUTABLE)}, *, Tensor(z!) out) -> Tensor(z!
 _lib.define(f"attention_functional({_schema(_PLAIN)}) -> (Tensor, {', '.join(['Tensor'] * len(CACHE_NAMES))})")
 
 
-def wrap_cache(cache, k_levels, v_levels, k_feedback, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip,
-               v_clip):
-    """An OscarKVCache of one layer whose storage is the given buffers (written in place). An empty k_feedback
-    rounds K to the nearest level."""
+def wrap_cache(cache, k_levels, v_levels, k_feedback, length, config: OscarConfig):
+    """An OscarKVCache of one layer in `config`'s format (attribute_config) whose storage is the given buffers
+    (written in place). Every buffer is checked against the format: the scale buffers' element type against
+    scale_dtype, k_feedback against k_rounding (empty for nearest), a uniform codebook's levels against 0..2^bits-1."""
     given = dict(zip(CACHE_NAMES, cache))
-    first = given["k_scale"].dtype
-    for name in SCALE_NAMES:
-        if given[name].dtype != first or first not in BUFFER_SCALE_DTYPES.values():
-            raise OscarInputError(f"{name} is {given[name].dtype}: expected torch.float16, or torch.uint8 (fp8 E4M3 "
-                                  f"bits), the same for {', '.join(SCALE_NAMES)} (k_scale is {first})")
-    fp8 = first == torch.uint8
-    if fp8:  # views: writes reach the caller's uint8 buffers
-        given.update({name: given[name].view(torch.float8_e4m3fn) for name in SCALE_NAMES})
     kv_heads, head_dim = given["k_sink"].shape[0], given["k_sink"].shape[-1]
     caps = (given["k_sink"].shape[1], given["k_recent"].shape[1], given["k_codes"].shape[1])
-    feedback = k_feedback.numel() > 0
-    # Uniform levels are a valid Lloyd-Max codebook; feedback rounding keeps them uniform (OscarConfig checks).
-    config = OscarConfig(k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, k_clip=k_clip, v_clip=v_clip,
-                         codebook="uniform" if feedback else "lloyd-max", sink=sink, recent=recent,
-                         k_rounding="feedback" if feedback else "nearest",
-                         scale_dtype="float8_e4m3fn" if fp8 else "float16")
     if capacities(config, sum(caps)) != caps:
         raise OscarInputError(f"cache capacities (sink, recent, body) = {caps}: expected "
-                              f"{capacities(config, sum(caps))} for sink={sink}, recent={recent}")
+                              f"{capacities(config, sum(caps))} for sink={config.sink}, recent={config.recent}")
     for name, (shape, dtype) in buffer_layout(config, 1, kv_heads, head_dim, sum(caps)).items():
         want = shape if name.endswith("_codes") else shape[1:]  # the caller's buffers have no layer axis
+        if name in SCALE_NAMES:
+            dtype = BUFFER_SCALE_DTYPES[config.scale_dtype]  # fp8 travels as its uint8 bits
         if given[name].shape != want or given[name].dtype != dtype:
             raise OscarInputError(f"{name} is {given[name].dtype} {tuple(given[name].shape)}: "
-                                  f"expected {dtype} {tuple(want)}")
-    levels = {} if feedback else {"k_levels": [k_levels], "v_levels": [v_levels]}
+                                  f"expected {dtype} {tuple(want)} (scale_dtype={config.scale_dtype!r})")
+    if config.scale_dtype == "float8_e4m3fn":  # views: writes reach the caller's uint8 buffers
+        given.update({name: given[name].view(torch.float8_e4m3fn) for name in SCALE_NAMES})
+    feedback = config.k_rounding == "feedback"
+    if feedback != (k_feedback.numel() > 0):
+        raise OscarInputError(f"k_feedback has shape {tuple(k_feedback.shape)}: expected "
+                              + (f"[{kv_heads}, {head_dim}, {head_dim}] with k_rounding='feedback'" if feedback
+                                 else "an empty tensor with k_rounding='nearest'"))
+    levels = {}
+    if config.codebook == "uniform":
+        for kind, given_levels, bits in (("k", k_levels, config.k_bits), ("v", v_levels, config.v_bits)):
+            if not torch.equal(given_levels.float(), torch.arange(2**bits, dtype=torch.float32)):
+                raise OscarInputError(f"{kind}_levels are {given_levels.tolist()}: expected the uniform levels "
+                                      f"0..{2**bits - 1} with codebook='uniform'")
+    else:
+        levels = {"k_levels": [k_levels], "v_levels": [v_levels]}
     # Views with a layer axis of one: writes reach the caller's buffers. Codes are held per layer (their own width).
     storage = {name: tensor if name.endswith("_codes") else tensor.unsqueeze(0) for name, tensor in given.items()}
     kv = OscarKVCache(config, 1, kv_heads, head_dim, max(sum(caps), 1), **levels, device=given["k_sink"].device,
@@ -98,10 +124,9 @@ def wrap_cache(cache, k_levels, v_levels, k_feedback, length, k_bits, v_bits, cl
 
 def _attention(q, k_new, v_new, *args):
     *cache, k_levels, v_levels, k_feedback, length = args[:14]
-    k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip, scaling = args[14:]
-    kv = wrap_cache(cache, k_levels, v_levels, k_feedback, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip,
-                    v_clip)
-    return kv.attend(0, q, k_new, v_new, scaling)
+    attrs = dict(zip(ATTRIBUTES, args[14:]))
+    kv = wrap_cache(cache, k_levels, v_levels, k_feedback, length, attribute_config(attrs))
+    return kv.attend(0, q, k_new, v_new, attrs["scaling"])
 
 
 def _attention_out(*args, out):

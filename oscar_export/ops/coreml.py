@@ -21,7 +21,9 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..config import OscarInputError
 from ..sizes import KINDS
+from .attention import ATTRIBUTES, attribute_config
 
 INT32_MIN = -(2**31)
 # Per layer and kind, the outputs of attention_rows after `out`, in order.
@@ -170,13 +172,18 @@ def quantize(x: torch.Tensor, levels, bits: int, cluster_dim: int, clip: float, 
 
 def attention_rows(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes, k_scale, k_zero, v_codes, v_scale,
                    v_zero, k_levels, v_levels, k_feedback, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip,
-                   v_clip, scaling):
+                   v_clip, scaling, codebook, k_rounding, scale_dtype):
     """oscar::attention over int32-word buffers, returning (out, *ROW_NAMES) instead of updated buffers.
 
     out is the reference attention (format.md section 6). The body rows are those of positions
     max(S, n0-W) + j for j < T; only the first max(S, n1-W) - max(S, n0-W) are real, the rest
     are computed from clamped indices and ignored by apply_rows.
     """
+    config = attribute_config(dict(zip(ATTRIBUTES[-3:], (codebook, k_rounding, scale_dtype))) | dict(
+        k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, sink=sink, recent=recent, k_clip=k_clip, v_clip=v_clip))
+    if config.scale_dtype != "float16":
+        raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected 'float16', the scales the Core ML rows "
+                              "store")
     # v_new arrives as a transposed view; contiguous copies keep the traced shapes free of stride guards.
     q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
     heads, t, d = k_new.shape
@@ -219,7 +226,7 @@ def attention_rows(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes,
             src, idx = new[kind], pos - n0
         idx = torch.where(idx < src.shape[1], idx, _i32(0))  # rows past the real ones read any valid row
         values = torch.index_select(src, 1, idx).float()
-        feedback = k_feedback if kind == "k" and k_feedback.numel() else None  # empty: nearest rounding
+        feedback = k_feedback if kind == "k" and config.k_rounding == "feedback" else None
         rows[kind] = quantize(values, levels[kind], bits[kind], cluster_dim, clip[kind], feedback)
     return (out, k_new, v_new, *rows["k"], *rows["v"])
 

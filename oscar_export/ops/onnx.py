@@ -15,7 +15,8 @@ import torch
 from onnx.defs import OpSchema
 
 from ..config import OscarInputError
-from .attention import ATTRIBUTES, BUFFER_SCALE_DTYPES, CACHE_NAMES, INPUT_DTYPES, INPUTS, SCALE_NAMES
+from .attention import (ATTRIBUTES, BUFFER_SCALE_DTYPES, CACHE_NAMES, INPUT_DTYPES, INPUTS, SCALE_NAMES,
+                        attribute_config)
 
 DOMAIN = "oscar"
 OP = "OscarAttention"
@@ -44,13 +45,11 @@ def register_schema() -> None:
 
 
 def translate(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes, k_scale, k_zero, v_codes, v_scale,
-               v_zero, k_levels, v_levels, k_feedback, length, k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip,
-               scaling):
+               v_zero, k_levels, v_levels, k_feedback, length, *attributes):
     """oscar::attention_functional -> OscarAttention; the 'updated' buffers are the inputs it writes."""
     cache = (k_sink, v_sink, k_recent, v_recent, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero)
-    out = _OSCAR.OscarAttention(q, k_new, v_new, *cache, k_levels, v_levels, k_feedback, length, k_bits=k_bits,
-                                v_bits=v_bits, cluster_dim=cluster_dim, sink=sink, recent=recent, k_clip=k_clip,
-                                v_clip=v_clip, scaling=scaling)
+    out = _OSCAR.OscarAttention(q, k_new, v_new, *cache, k_levels, v_levels, k_feedback, length,
+                                **dict(zip(ATTRIBUTES, attributes, strict=True)))
     return (out, *cache)
 
 
@@ -75,14 +74,20 @@ def make_fallback(model: onnx.ModelProto) -> onnx.ModelProto:
         buffer = {name: inputs[value].type.tensor_type for name, value in zip(CACHE_NAMES, cache)}
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         shapes = {name: [d.dim_value for d in t.shape.dim] for name, t in buffer.items()}
+        config = attribute_config(attrs)
+        scale_dtype = config.scale_dtype
         elems = sorted({buffer[name].elem_type for name in SCALE_NAMES})
-        if len(elems) != 1 or elems[0] not in _FALLBACK_SCALES:
+        if elems != [int(_IR_TYPES[BUFFER_SCALE_DTYPES[scale_dtype]])]:
             named = ", ".join(onnx.TensorProto.DataType.Name(e).lower() for e in elems)
             raise OscarInputError(f"{node.name or node.output[0]}: scales and zeros of type {named}: expected all "
-                                  "float16 or all uint8 (fp8 E4M3 bits), the scales the pure-ONNX fallback stores")
-        scale_dtype = _FALLBACK_SCALES[elems[0]]
+                                  f"{str(BUFFER_SCALE_DTYPES[scale_dtype]).removeprefix('torch.')}, as its "
+                                  f"scale_dtype={scale_dtype!r} stores them")
         # The layer's error-feedback weights, empty for nearest rounding: the function is specialised to either.
         shapes["k_feedback"] = _static_shape(graph, node.input[feedback_at])
+        if (config.k_rounding == "feedback") != (math.prod(shapes["k_feedback"]) > 0):
+            raise OscarInputError(f"{node.name or node.output[0]}: k_feedback of shape {shapes['k_feedback']} with "
+                                  f"k_rounding={config.k_rounding!r}: expected [kv_heads, D, D] weights for "
+                                  "'feedback', an empty tensor for 'nearest'")
         key = json.dumps([attrs, shapes, scale_dtype], sort_keys=True)
         if key not in variants:
             name = FALLBACK_OP if not variants else f"{FALLBACK_OP}_{len(variants)}"
@@ -122,8 +127,6 @@ _E4M3_TOP = 126  # the bits of 448, the largest finite magnitude
 _E4M3_MIDS = ((_E4M3[:_E4M3_TOP].double() + _E4M3[1:_E4M3_TOP + 1].double()) / 2).float()
 # A tie at the midpoint above an odd code goes up, to the even one; -1 never equals |x|.
 _E4M3_ODD_MIDS = torch.where(torch.arange(_E4M3_TOP) % 2 == 1, _E4M3_MIDS, -1.0)
-# ONNX element type of the scale buffers -> the scale_dtype they store (ir.DataType values are ONNX's).
-_FALLBACK_SCALES = {int(_IR_TYPES[dtype]): name for name, dtype in BUFFER_SCALE_DTYPES.items()}
 
 
 def e4m3_values(op, bits):

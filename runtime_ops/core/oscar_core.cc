@@ -878,6 +878,8 @@ Status buffer_shapes(const AttentionConfig& c, const AttentionDims& d, BufferSha
   if (Status st = check_scale_dtype(c.scale_dtype); !st.ok()) return st;
   if (c.k_rounding != 0 && c.k_rounding != 1)
     return fail("k_rounding=", c.k_rounding, ": expected 0 (nearest) or 1 (feedback: k_feedback given)");
+  if (c.codebook != 0 && c.codebook != 1)
+    return fail("codebook=", c.codebook, ": expected 0 (uniform) or 1 (lloyd-max)");
   if (c.kernel < Kernel::kAuto || c.kernel > Kernel::kSimd)
     return fail("kernel=", int(c.kernel), ": expected 0 (auto), 1 (dense), 2 (scalar) or 3 (simd)");
   if (c.kernel == Kernel::kSimd && !simd_available())
@@ -940,6 +942,15 @@ Status oscar_attention(const AttentionArgs& a) {
     if (!ptrs[i] && shapes[i].count() > 0) return fail(kBufferNames[i], " is null: expected ", shapes[i].count(), " elements");
   if (Status st = check_levels("k_levels", a.k.levels, a.config.k_bits); !st.ok()) return st;
   if (Status st = check_levels("v_levels", a.v.levels, a.config.v_bits); !st.ok()) return st;
+  if (a.config.codebook == 0) {
+    const struct { const char* name; const float* levels; int bits; } kinds[] = {
+        {"k_levels", a.k.levels, a.config.k_bits}, {"v_levels", a.v.levels, a.config.v_bits}};
+    for (const auto& k : kinds)
+      for (int i = 0; i < (1 << k.bits); ++i)
+        if (k.levels[i] != float(i))
+          return fail(k.name, "[", i, "] is ", k.levels[i], ": expected the uniform levels 0 .. ", (1 << k.bits) - 1,
+                      " with codebook 0 (uniform)");
+  }
   if (Status st = check_feedback(a.k_feedback, shapes[15].count()); !st.ok()) return st;
   for (int64_t i = 0; i < shapes[0].count(); ++i)
     if (!std::isfinite(a.q[i])) return fail("q contains ", std::isnan(a.q[i]) ? "NaN" : "inf", ": expected finite values");

@@ -56,6 +56,8 @@ struct AttentionConfig {
   Kernel kernel = Kernel::kAuto;
   int32_t k_rounding = 0;  // 0: K codes to the nearest level; 1: with error feedback (AttentionArgs::k_feedback)
   ScaleDtype scale_dtype = ScaleDtype::kFloat16;  // of both kinds' body scales and zeros
+  // 0: uniform, the levels must be 0 .. 2^bits-1; 1: Lloyd-Max, any ascending levels in [0, 2^bits-1].
+  int32_t codebook = 1;
 };
 
 // Tensor sizes of one layer's op call. Capacities are those of a cache of

@@ -34,10 +34,7 @@ constexpr ScalarType kInputTypes[kInputs] = {
     ScalarType::Float, ScalarType::Half, ScalarType::Half, ScalarType::Half, ScalarType::Half,
     ScalarType::Half,  ScalarType::Half, ScalarType::Byte, ScalarType::Half, ScalarType::Half,
     ScalarType::Byte,  ScalarType::Half, ScalarType::Half, ScalarType::Float, ScalarType::Float, ScalarType::Float};
-constexpr int kFeedback = 15;
-// k_scale, k_zero, v_scale, v_zero: Half, or Byte holding fp8 E4M3 bits (scale_dtype float8_e4m3fn), all four alike.
-constexpr int kScales[4] = {8, 9, 11, 12};
-
+// k_scale, k_zero, v_scale, v_zero: Half, or Byte holding fp8 E4M3 bits, as argument scale_dtype says.
 bool is_scale(int i) { return i == 8 || i == 9 || i == 11 || i == 12; }
 
 const char* type_name(ScalarType t) {
@@ -73,12 +70,11 @@ std::string check(const Tensor* in[kInputs], const Tensor& length, Tensor& out, 
     if (!is_scale(i) && t.scalar_type() != kInputTypes[i])
       return std::string("input '") + oscar::kBufferNames[i] + "' has dtype " + type_name(t.scalar_type()) +
              ": expected " + type_name(kInputTypes[i]);
-    const ScalarType scale_type = in[kScales[0]]->scalar_type();
-    if (is_scale(i) && ((t.scalar_type() != ScalarType::Half && t.scalar_type() != ScalarType::Byte) ||
-                        t.scalar_type() != scale_type))
+    const bool fp8 = a.config.scale_dtype == oscar::ScaleDtype::kFloat8E4M3;
+    if (is_scale(i) && t.scalar_type() != (fp8 ? ScalarType::Byte : ScalarType::Half))
       return std::string("input '") + oscar::kBufferNames[i] + "' has dtype " + type_name(t.scalar_type()) +
-             ": expected float16, or uint8 (fp8 E4M3 bits), the same for k_scale, k_zero, v_scale and v_zero "
-             "(k_scale is " + type_name(scale_type) + ")";
+             ": expected " + (fp8 ? "uint8 (fp8 E4M3 bits), as argument scale_dtype=1 says"
+                                  : "float16, as argument scale_dtype=0 says");
     // An empty region (recent = 0, a cache without a body) carries whatever strides the program gave it.
     if (t.numel() > 0 && !executorch::runtime::tensor_is_contiguous(t))
       return std::string("input '") + oscar::kBufferNames[i] + "' is not contiguous: expected a dense tensor";
@@ -96,10 +92,6 @@ std::string check(const Tensor* in[kInputs], const Tensor& length, Tensor& out, 
              ": expected rank 3";
   a.dims = {in[0]->size(0), in[1]->size(0), in[0]->size(1), in[0]->size(2),
             in[3]->size(1), in[5]->size(1), in[7]->size(1)};
-  // K's error-feedback weights: [kv_heads, head_dim, head_dim], or an empty tensor for nearest rounding.
-  a.config.k_rounding = in[kFeedback]->numel() > 0;
-  a.config.scale_dtype =
-      in[kScales[0]]->scalar_type() == ScalarType::Byte ? oscar::ScaleDtype::kFloat8E4M3 : oscar::ScaleDtype::kFloat16;
   oscar::BufferShape want[oscar::kNumBuffers];
   if (oscar::Status st = oscar::buffer_shapes(a.config, a.dims, want); !st.ok()) return st.error;
   for (int i = 0; i < kInputs; ++i) {
@@ -124,7 +116,7 @@ Tensor& attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& 
                       const Tensor& k_levels, const Tensor& v_levels, const Tensor& k_feedback,
                       const Tensor& length, int64_t k_bits,
                       int64_t v_bits, int64_t cluster_dim, int64_t sink, int64_t recent, double k_clip, double v_clip,
-                      double scaling, Tensor& out) {
+                      double scaling, int64_t codebook, int64_t k_rounding, int64_t scale_dtype, Tensor& out) {
   const Tensor* in[kInputs] = {&q,       &k_new,   &v_new,  &k_sink,  &v_sink,  &k_recent, &v_recent, &k_codes,
                                &k_scale, &k_zero,  &v_codes, &v_scale, &v_zero, &k_levels, &v_levels,
                                &k_feedback};
@@ -133,6 +125,9 @@ Tensor& attention_out(KernelRuntimeContext& ctx, const Tensor& q, const Tensor& 
   a.config.k_bits = narrow(k_bits), a.config.v_bits = narrow(v_bits), a.config.cluster_dim = narrow(cluster_dim);
   a.config.sink = sink, a.config.recent = recent;
   a.config.k_clip = float(k_clip), a.config.v_clip = float(v_clip), a.config.scaling = float(scaling);
+  // The format's named choices come from the arguments; check() holds the buffers to them.
+  a.config.codebook = narrow(codebook), a.config.k_rounding = narrow(k_rounding);
+  a.config.scale_dtype = static_cast<oscar::ScaleDtype>(narrow(scale_dtype));
   a.config.threads = 0;  // for calls big enough to pay for a thread start: one per core, or the host's cap
   a.pool_threads = max_threads.load(std::memory_order_relaxed);
   std::string error = check(in, length, out, a);

@@ -33,8 +33,8 @@ constexpr ONNXTensorElementDataType kF32 = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT,
 constexpr ONNXTensorElementDataType kInputTypes[kInputs] = {kF32, kF16, kF16, kF16, kF16, kF16, kF16, kU8,  kF16,
                                                             kF16, kU8,  kF16, kF16, kF32, kF32, kF32, kI64};
 constexpr int kFeedback = 15, kLength = 16;
-// k_scale, k_zero, v_scale, v_zero: float16, or uint8 holding fp8 E4M3 bits (scale_dtype float8_e4m3fn), all
-// four alike. Declared as any type, so the op checks them itself.
+// k_scale, k_zero, v_scale, v_zero: float16, or uint8 holding fp8 E4M3 bits, as attribute scale_dtype says.
+// Declared as any type, so the op checks them itself. k_feedback's shape follows attribute k_rounding.
 constexpr int kScales[4] = {8, 9, 11, 12};
 
 bool is_scale(size_t i) { return i == 8 || i == 9 || i == 11 || i == 12; }
@@ -112,13 +112,13 @@ struct Kernel {
                      type_name(kInputTypes[i]));
       shapes.push_back(info.GetShape());
     }
-    const ONNXTensorElementDataType scale_type = in[kScales[0]].GetTensorTypeAndShapeInfo().GetElementType();
+    const bool fp8 = config.scale_dtype == oscar::ScaleDtype::kFloat8E4M3;
     for (int i : kScales) {
       const ONNXTensorElementDataType t = in[i].GetTensorTypeAndShapeInfo().GetElementType();
-      if ((t != kF16 && t != kU8) || t != scale_type)
-        return error(std::string("input '") + oscar::kBufferNames[i] + "' has dtype " + type_name(t) +
-                     ": expected float16, or uint8 (fp8 E4M3 bits), the same for k_scale, k_zero, v_scale and v_zero "
-                     "(k_scale is " + type_name(scale_type) + ")");
+      if (t != (fp8 ? kU8 : kF16))
+        return error(std::string("input '") + oscar::kBufferNames[i] + "' has dtype " + type_name(t) + ": expected " +
+                     (fp8 ? "uint8 (fp8 E4M3 bits), as attribute scale_dtype=1 says"
+                          : "float16, as attribute scale_dtype=0 says"));
     }
     if (shapes[kLength].size() > 1 || in[kLength].GetTensorTypeAndShapeInfo().GetElementCount() != 1)
       return error("input 'length' has shape " + shape_string(shapes[kLength]) + ": expected [1]");
@@ -129,9 +129,6 @@ struct Kernel {
                      ": expected rank 3");
     oscar::AttentionArgs a;
     a.config = config;
-    a.config.scale_dtype = scale_type == kU8 ? oscar::ScaleDtype::kFloat8E4M3 : oscar::ScaleDtype::kFloat16;
-    // K's error-feedback weights: [kv_heads, head_dim, head_dim], or an empty tensor for nearest rounding.
-    a.config.k_rounding = in[kFeedback].GetTensorTypeAndShapeInfo().GetElementCount() > 0;
     a.dims = {shapes[0][0], shapes[1][0], shapes[0][1], shapes[0][2], shapes[3][1], shapes[5][1], shapes[7][1]};
     a.config.scaling = scaling ? *scaling : 1.0f / std::sqrt(float(a.dims.head_dim > 0 ? a.dims.head_dim : 1));
     oscar::BufferShape want[oscar::kNumBuffers];
@@ -173,9 +170,11 @@ struct Op : Ort::CustomOpBase<Op, Kernel, true> {
         {"k_bits", true, 0, 2, 4},      {"v_bits", true, 0, 2, 4},
         {"cluster_dim", true, 0, 32, 128}, {"sink", true, 0, 0, std::numeric_limits<int32_t>::max()},
         {"recent", true, 0, 0, std::numeric_limits<int32_t>::max()},
-        {"threads", false, 0, 0, 1024}};
-    int64_t v[6];
-    for (int i = 0; i < 6; ++i) {
+        {"threads", false, 0, 0, 1024},   {"codebook", true, 0, 0, 1},
+        {"k_rounding", true, 0, 0, 1},    {"scale_dtype", true, 0, 0, 1}};
+    constexpr int kInts = sizeof(ints) / sizeof(ints[0]);
+    int64_t v[kInts];
+    for (int i = 0; i < kInts; ++i) {
       const std::optional<int64_t> got = attribute<int64_t>(api, info, ints[i].name);
       if (!got && ints[i].required)
         return error(std::string("attribute '") + ints[i].name + "' is missing: expected an int");
@@ -186,6 +185,9 @@ struct Op : Ort::CustomOpBase<Op, Kernel, true> {
     }
     k->config.k_bits = int32_t(v[0]), k->config.v_bits = int32_t(v[1]), k->config.cluster_dim = int32_t(v[2]);
     k->config.sink = v[3], k->config.recent = v[4], k->config.threads = int32_t(v[5]);
+    // The format's named choices come from the attributes; compute checks the buffers against them.
+    k->config.codebook = int32_t(v[6]), k->config.k_rounding = int32_t(v[7]);
+    k->config.scale_dtype = v[8] ? oscar::ScaleDtype::kFloat8E4M3 : oscar::ScaleDtype::kFloat16;
     k->config.k_clip = attribute<float>(api, info, "k_clip").value_or(1.0f);
     k->config.v_clip = attribute<float>(api, info, "v_clip").value_or(1.0f);
     k->scaling = attribute<float>(api, info, "scaling");

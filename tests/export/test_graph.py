@@ -12,6 +12,7 @@ from oscar_export.config import OscarInputError
 from oscar_export.export.graph import CACHE_NAMES, OscarCausalLM, greedy
 from oscar_export.hf_cache import OscarCache, patch_model_for_kv_quant
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model
+from oscar_export.ops.attention import op_attributes
 from oscar_export.rotation_files import RotationSet
 from tiny_models import FAMILIES, tiny_model
 
@@ -37,11 +38,10 @@ def test_op_names_a_wrong_buffer():
     cache = {name: torch.from_numpy(a) for name, a in case.empty_cache().items()}
     cache["k_scale"] = cache["k_scale"][:, 1:]
     q, k, v = (torch.from_numpy(x) for x in case.chunks[0])
-    cfg = case.config
     with pytest.raises(OscarInputError, match="k_scale"):
         torch.ops.oscar.attention(q, k, v, *(cache[n] for n in CACHE_NAMES), cache["k_levels"], cache["v_levels"],
-                                  cache["k_feedback"], torch.tensor([0]), cfg.k_bits, cfg.v_bits, cfg.cluster_dim,
-                                  cfg.sink, cfg.recent, cfg.k_clip, cfg.v_clip, case.scaling)
+                                  cache["k_feedback"], torch.tensor([0]),
+                                  *op_attributes(case.config, case.scaling).values())
 
 
 # -- the model ----------------------------------------------------------------------------------

@@ -3,11 +3,15 @@
 import re
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
+from native_cases import GOLDEN, golden_case
 from oscar_export import OscarConfig
+from oscar_export.config import OscarInputError
 from oscar_export.ops.attention import (ATTRIBUTES, BUFFER_SCALE_DTYPES, CACHE_NAMES, INPUT_DTYPES, INPUTS, SCALE_NAMES,
-                                         op_attributes)
+                                         attribute_config, op_attributes)
 
 SOURCES = Path(__file__).resolve().parents[2] / "runtime_ops"
 ORT_TYPES = {"kF32": torch.float32, "kF16": torch.float16, "kU8": torch.uint8, "kI64": torch.int64}
@@ -25,7 +29,44 @@ def test_op_attributes_are_the_schema_s_in_order_and_types():
     attrs = op_attributes(OscarConfig(k_bits=3, k_clip=0.9, sink=4, recent=8), 0.125)
     assert tuple(attrs) == ATTRIBUTES
     assert attrs["k_bits"] == 3 and attrs["k_clip"] == 0.9 and attrs["sink"] == 4 and attrs["scaling"] == 0.125
-    assert [type(v) for v in attrs.values()] == [int] * 5 + [float] * 3  # the schema's int and float attributes
+    assert [type(v) for v in attrs.values()] == [int] * 5 + [float] * 3 + [int] * 3  # the schema's ints and floats
+    named = op_attributes(OscarConfig(k_rounding="feedback", scale_dtype="float8_e4m3fn"), 0.125)
+    assert (named["codebook"], named["k_rounding"], named["scale_dtype"]) == (0, 1, 1)
+    assert attribute_config(named) == OscarConfig(k_rounding="feedback", scale_dtype="float8_e4m3fn")
+    lloyd = OscarConfig(codebook="lloyd-max", k_clip=0.75, cluster_dim=32, sink=0, recent=16)
+    assert attribute_config(op_attributes(lloyd, 1.0)) == lloyd
+    with pytest.raises(OscarInputError, match="scale_dtype='bfloat16': expected one the op stores"):
+        op_attributes(OscarConfig(scale_dtype="bfloat16"), 0.125)
+    with pytest.raises(OscarInputError, match=r"attribute k_rounding=2: expected an integer code 0..1"):
+        attribute_config(dict(named, k_rounding=2))
+
+
+def test_the_op_takes_its_format_from_the_attributes_and_holds_the_buffers_to_it():
+    """The eager op (the reference every backend is compared with) refuses buffers that disagree with its
+    attributes instead of reading the format off them."""
+    case = golden_case(GOLDEN[0])
+    assert case.config.codebook == "uniform" and case.feedback is None and case.config.scale_dtype == "float16"
+    q, k, v = (torch.from_numpy(np.ascontiguousarray(x)) for x in case.chunks[0])
+
+    def attend(attrs: dict, **buffers):
+        cache = {name: torch.from_numpy(a) for name, a in dict(case.empty_cache(), **buffers).items()}
+        torch.ops.oscar.attention(q, k, v, *(cache[n] for n in CACHE_NAMES), cache["k_levels"], cache["v_levels"],
+                                  cache["k_feedback"], torch.tensor([0]), *attrs.values())
+
+    attrs = op_attributes(case.config, case.scaling)
+    attend(attrs)
+    h, d = case.kv_heads, case.head_dim
+    empty = case.empty_cache()
+    fp8 = {name: np.zeros(empty[name].shape, np.uint8) for name in SCALE_NAMES}
+    for wrong, buffers, message in (
+            (dict(scale_dtype=1), {}, r"k_scale is torch.float16 .*: expected torch.uint8 .*'float8_e4m3fn'"),
+            ({}, fp8, r"k_scale is torch.uint8 .*: expected torch.float16 .*'float16'"),
+            (dict(k_rounding=1), {}, rf"k_feedback has shape \(0,\): expected \[{h}, {d}, {d}\]"),
+            ({}, {"k_feedback": np.zeros((h, d, d), np.float32)}, "an empty tensor with k_rounding='nearest'"),
+            ({}, {"v_levels": np.array([0, 0.5, 2, 3], np.float32)}, r"v_levels are \[0.0, 0.5, 2.0, 3.0\]: expected "
+                                                                     "the uniform levels 0..3")):
+        with pytest.raises(OscarInputError, match=message):
+            attend(dict(attrs, **wrong), **buffers)
 
 
 def test_core_buffer_names_are_the_op_inputs_then_out():

@@ -64,9 +64,10 @@ def test_values_past_448_become_nan_bits_not_a_saturated_scale():
 
 
 
-@pytest.mark.parametrize("types", [("FLOAT",) * 4, ("FLOAT16", "FLOAT16", "UINT8", "UINT8")])
+@pytest.mark.parametrize("types", [("FLOAT",) * 4, ("FLOAT16", "FLOAT16", "UINT8", "UINT8"), ("UINT8",) * 4])
 def test_fallback_refuses_scales_it_does_not_store(types):
-    """float32 scales (a reference-only storage) or a mix: make_fallback names the node and the types."""
+    """float32 scales (a reference-only storage), a mix, or fp8 bits where the node's scale_dtype attribute says
+    float16: make_fallback names the node, the types and the attribute's storage."""
     from backends import op_model
     from native_cases import golden_case
 
@@ -79,6 +80,6 @@ def test_fallback_refuses_scales_it_does_not_store(types):
         if value.name in SCALE_NAMES:
             value.type.tensor_type.elem_type = getattr(onnx.TensorProto, types[SCALE_NAMES.index(value.name)])
     named = ", ".join(sorted(set(types), key=lambda t: getattr(onnx.TensorProto, t))).lower()
-    with pytest.raises(OscarInputError, match=f"out: scales and zeros of type {named}: expected all float16 or all "
-                                              "uint8"):
+    with pytest.raises(OscarInputError, match=f"out: scales and zeros of type {named}: expected all float16, as its "
+                                              "scale_dtype='float16' stores them"):
         make_fallback(model)

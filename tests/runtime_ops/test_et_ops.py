@@ -24,6 +24,7 @@ from native_cases import CACHE_INPUTS, GOLDEN, assert_final_cache, golden_case, 
 pytest.importorskip("executorch.extension.pybindings.portable_lib")
 
 from oscar_export.native import build_native, executorch_dir  # noqa: E402
+from oscar_export.ops.attention import ATTRIBUTES, SCALE_NAMES  # noqa: E402
 
 if shutil.which("cmake") is None or shutil.which("g++") is None:
     pytest.skip("liboscar_executorch.so needs cmake and g++ (Debian: apt-get install cmake g++)",
@@ -91,7 +92,34 @@ def test_wrong_shape_rank_and_dtype(kernel, golden_feeds):
     expect_error(kernel, case, dict(feeds, q=feeds["q"].astype(np.float16)), r"input 'q' has dtype float16")
     expect_error(kernel, case, dict(feeds, length=np.array([0], np.float32)), r"input 'length' has dtype")
     with pytest.raises(RuntimeError, match="cluster_dim=48"):
-        kernel(feeds, (2, 2, 48, case.config.sink, case.config.recent, 1.0, 1.0, case.scaling))
+        attrs = et_attributes(case)
+        kernel(feeds, (*attrs[:2], 48, *attrs[3:]))
+
+
+def test_the_format_comes_from_the_arguments(kernel, golden_feeds):
+    """Buffers that disagree with the codebook, k_rounding or scale_dtype argument are refused, not read as the
+    format they look like."""
+    case, feeds = golden_feeds
+    h, d = case.kv_heads, case.head_dim
+    attrs = dict(zip(ATTRIBUTES, et_attributes(case)))
+
+    def refused(feeds, pattern, **wrong):
+        before = {name: a.copy() for name, a in feeds.items()}
+        with pytest.raises(RuntimeError, match=pattern):
+            kernel(feeds, tuple(dict(attrs, **wrong).values()))
+        assert all(same_bits(feeds[name], before[name]) for name in CACHE_INPUTS)
+
+    refused(feeds, r"input 'k_scale' has dtype float16: expected uint8 \(fp8 E4M3 bits\), as argument scale_dtype=1",
+            scale_dtype=1)
+    refused(dict(feeds, **{name: np.zeros(feeds[name].shape, np.uint8) for name in SCALE_NAMES}),
+            r"input 'k_scale' has dtype uint8: expected float16, as argument scale_dtype=0 says")
+    refused(feeds, rf"input 'k_feedback' has shape \[0\]: expected \[{h}, {d}, {d}\]", k_rounding=1)
+    refused(dict(feeds, k_feedback=np.zeros((h, d, d), np.float32)),
+            rf"input 'k_feedback' has shape \[{h}, {d}, {d}\]: expected \[0\]")
+    refused(dict(feeds, v_levels=np.array([0, 0.5, 2, 3], np.float32)),
+            r"v_levels\[1\] is 0.5: expected the uniform levels 0 .. 3 with codebook 0")
+    refused(feeds, "codebook=2: expected 0 \\(uniform\\) or 1", codebook=2)
+    kernel(dict(feeds), tuple(dict(attrs, codebook=1).values()))  # Lloyd-Max: any ascending levels, these too
 
 
 # -- AddressSanitizer + UBSan: the same replays in a child process with libasan preloaded --------

@@ -19,6 +19,7 @@ pytest.importorskip("onnx")
 from onnx import TensorProto  # noqa: E402
 
 from oscar_export.native import ort_include_dir  # noqa: E402
+from oscar_export.ops.attention import SCALE_NAMES  # noqa: E402
 
 if shutil.which("cmake") is None or shutil.which("g++") is None:
     pytest.skip("liboscar_ort.so needs cmake and g++ (Debian: apt-get install cmake g++)", allow_module_level=True)
@@ -90,14 +91,42 @@ def test_wrong_dtype(golden_feeds, sessions):
     # Declared in the graph: refused when the session is created.
     with pytest.raises(Exception, match="k_sink|[Tt]ype"):
         sessions.get(ort_attributes(case), {"k_sink": TensorProto.FLOAT})
-    # The scales and zeros are declared as any type (float16, or uint8 for fp8 E4M3 bits): the op checks them.
+    # The scales and zeros are declared as any type (float16, or uint8 for fp8 E4M3 bits): the op holds them to
+    # its scale_dtype attribute.
     session = sessions.get(ort_attributes(case), {"k_scale": TensorProto.FLOAT})
     expect_error(session, dict(feeds, k_scale=feeds["k_scale"].astype(np.float32)),
-                 r"input 'k_scale' has dtype float32: expected float16, or uint8 \(fp8 E4M3 bits\)")
+                 r"input 'k_scale' has dtype float32: expected float16, as attribute scale_dtype=0 says")
     session = sessions.get(ort_attributes(case), {"v_zero": TensorProto.UINT8})
     expect_error(session, dict(feeds, v_zero=feeds["v_zero"].view(np.uint8)[..., ::2].copy()),
-                 r"input 'v_zero' has dtype uint8: expected .* the same for k_scale, k_zero, v_scale and v_zero "
-                 r"\(k_scale is float16\)")
+                 r"input 'v_zero' has dtype uint8: expected float16, as attribute scale_dtype=0 says")
+
+
+def test_the_format_comes_from_the_attributes(golden_feeds, sessions):
+    """Buffers that disagree with the codebook, k_rounding or scale_dtype attribute are refused, not read as the
+    format they look like; a missing or unknown code fails the session."""
+    case, _, feeds = golden_feeds
+    h, d = case.kv_heads, case.head_dim
+    fp8 = {name: TensorProto.UINT8 for name in SCALE_NAMES}
+    expect_error(sessions.get(dict(ort_attributes(case), scale_dtype=1)), feeds, r"input 'k_scale' has dtype float16: "
+                 r"expected uint8 \(fp8 E4M3 bits\), as attribute scale_dtype=1 says")
+    expect_error(sessions.get(ort_attributes(case), fp8),
+                 dict(feeds, **{name: np.zeros(feeds[name].shape, np.uint8) for name in SCALE_NAMES}),
+                 r"input 'k_scale' has dtype uint8: expected float16, as attribute scale_dtype=0 says")
+    expect_error(sessions.get(dict(ort_attributes(case), k_rounding=1)), feeds,
+                 rf"input 'k_feedback' has shape \[0\]: expected \[{h}, {d}, {d}\]")
+    expect_error(sessions.get(ort_attributes(case)), dict(feeds, k_feedback=np.zeros((h, d, d), np.float32)),
+                 rf"input 'k_feedback' has shape \[{h}, {d}, {d}\]: expected \[0\]")
+    expect_error(sessions.get(ort_attributes(case)), dict(feeds, v_levels=np.array([0, 0.5, 2, 3], np.float32)),
+                 r"v_levels\[1\] is 0.5: expected the uniform levels 0 .. 3 with codebook 0")
+    lloyd = sessions.get(dict(ort_attributes(case), codebook=1))  # any ascending levels: the same levels run
+    ort_run(lloyd, dict(feeds))
+    for name, code in (("scale_dtype", 2), ("k_rounding", -1), ("codebook", 2)):
+        with pytest.raises(Exception, match=rf"attribute {name}={code}: expected 0 .. 1"):
+            sessions.get(dict(ort_attributes(case), **{name: code}))
+        attrs = ort_attributes(case)
+        del attrs[name]
+        with pytest.raises(Exception, match=f"attribute '{name}' is missing"):
+            sessions.get(attrs)
 
 
 def test_bad_attributes_fail_at_session_creation(golden_feeds, sessions):

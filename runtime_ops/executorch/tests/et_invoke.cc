@@ -19,11 +19,13 @@ using executorch::runtime::EValue;
 
 namespace {
 constexpr int kTensors = 18;  // q .. v_levels, k_feedback, length, out
-constexpr int kAttrs = 8;     // k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip, scaling
+constexpr int kAttrs = 11;  // k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip, scaling, codebook,
+                             // k_rounding, scale_dtype
 }  // namespace
 
 // tensors: kTensors data pointers; dtypes: ScalarType codes; ranks and dims (3 per tensor).
-// int_attrs: k_bits, v_bits, cluster_dim, sink, recent; float_attrs: k_clip, v_clip, scaling.
+// int_attrs: k_bits, v_bits, cluster_dim, sink, recent, codebook, k_rounding, scale_dtype; float_attrs: k_clip,
+// v_clip, scaling.
 // Returns 0, the ExecuTorch error code the kernel set, or -1 when the op is not registered.
 extern "C" __attribute__((visibility("default"))) int oscar_et_invoke(void* const* tensors, const int32_t* dtypes,
                                                                        const int32_t* ranks, const int64_t* dims,
@@ -58,6 +60,7 @@ extern "C" __attribute__((visibility("default"))) int oscar_et_invoke(void* cons
   for (int i = 0; i < kTensors - 1; ++i) values.emplace_back(Tensor(&impls[i]));
   for (int i = 0; i < 5; ++i) values.emplace_back(int_attrs[i]);
   for (int i = 0; i < 3; ++i) values.emplace_back(float_attrs[i]);
+  for (int i = 5; i < 8; ++i) values.emplace_back(int_attrs[i]);
   values.emplace_back(Tensor(&impls[kTensors - 1]));
   std::vector<EValue*> stack;
   for (EValue& v : values) stack.push_back(&v);
