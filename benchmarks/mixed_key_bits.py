@@ -81,7 +81,7 @@ from oscar_export.calibrations import run_calibration
 from oscar_export.config import OscarConfig
 from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache
 from oscar_export.evaluate.methods import oscar_method
-from oscar_export.export.artifact import config_for
+from oscar_export.config import config_for
 from oscar_export.hf_cache import attention_shape
 from oscar_export.tune import Candidate, layer_gains
 

@@ -222,3 +222,12 @@ def with_metadata_defaults(fields: dict, metadata: dict | None) -> dict:
         if filled.get(key) is None and meta.get(key) is not None:
             filled[key] = meta[key]
     return filled
+
+
+def config_for(metadata: dict | None, head_dim: int | None = None, **fields) -> OscarConfig:
+    """OscarConfig from the given fields (None: unset); a rotation file's metadata fills in the rest
+    (with_metadata_defaults), and an unset cluster_dim is then the default group for head_dim."""
+    fields = with_metadata_defaults(fields, metadata)
+    if fields.get("cluster_dim") is None:
+        fields["cluster_dim"] = default_cluster_dim(head_dim)
+    return OscarConfig(**{key: value for key, value in fields.items() if value is not None})

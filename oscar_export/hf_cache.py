@@ -18,7 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .cache import OscarKVCache
 from .calibrate import online_rotations
-from .config import OscarConfig, OscarInputError
+from .config import OscarConfig, OscarInputError, config_for
 from .rotation_files import ROTATION_MODES
 from .rotations import hadamard_rotations
 
@@ -223,33 +223,27 @@ def resolve_rotations(rotations, model):
 
 def patch_model_for_kv_quant(
     model,
-    bits: int = 2,
-    cluster_dim: int = 64,
+    config: OscarConfig | None = None,
     rotations="online",
     backend: str = "reference",
     max_context: int | None = None,
-    **config,
 ):
     """Make `model.generate()` keep its KV cache as packed OSCAR codes.
 
-    rotations: "online" (estimated from each prompt, no calibration file), "hadamard"
-    (data-free), "none", a rotation file path, or a RotationSet. Extra keyword arguments are
-    OscarConfig fields (k_clip, v_clip, sink, recent, codebook, k_rounding, ...); a rotation file's clip
-    ratios, codebook and K rounding apply unless given here. backend="triton" decodes with the Triton
-    kernels (CUDA, or the interpreter with TRITON_INTERPRET=1).
+    config: the cache format, used as given; None: the defaults completed by a rotation file's metadata (its clip
+    ratios, codebook and K rounding, or the whole format a budget search chose), the group sized for the model's
+    head_dim. rotations: "online" (estimated from each prompt, no calibration file), "hadamard" (data-free),
+    "none", a rotation file path, or a RotationSet. backend="triton" decodes with the Triton kernels (CUDA, or
+    the interpreter with TRITON_INTERPRET=1).
     """
     if backend not in BACKENDS:
         raise OscarInputError(f"backend={backend!r}: expected one of {BACKENDS}")
+    if config is not None and not isinstance(config, OscarConfig):
+        raise TypeError(f"config is {type(config).__name__}: expected an OscarConfig or None")
     resolved = resolve_rotations(rotations, model)
-    if resolved not in ROTATION_MODES:
-        meta = resolved.metadata
-        for key in ("k_clip", "v_clip", "codebook", "k_rounding"):
-            if key in meta and meta[key] is not None:
-                config.setdefault(key, meta[key])
-        config = {k: v for k, v in config.items()}
-    cfg = OscarConfig(k_bits=config.pop("k_bits", bits), v_bits=config.pop("v_bits", bits),
-                      cluster_dim=cluster_dim, **config)
-    cfg.check_head_dim(attention_shape(model)[2])
+    head_dim = attention_shape(model)[2]
+    cfg = config or config_for({} if resolved in ROTATION_MODES else resolved.metadata, head_dim)
+    cfg.check_head_dim(head_dim)
     check_backend(backend, cfg)
     model.oscar = OscarSettings(cfg, resolved, max_context, backend)
     model.set_attn_implementation(ATTENTION_IMPLEMENTATION)

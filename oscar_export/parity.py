@@ -115,8 +115,7 @@ def compare_tokens(candidate: Trace, reference: Trace) -> dict:
 
 def run_parity(model, prompt: torch.Tensor, steps: int, config: OscarConfig, rotations="hadamard") -> dict:
     """Every available runtime against the reference, on the same prompt and cache inputs."""
-    fields = config.to_dict()
-    patch_model_for_kv_quant(model, cluster_dim=fields.pop("cluster_dim"), rotations=rotations, **fields)
+    patch_model_for_kv_quant(model, config, rotations=rotations)
     reference = generate_trace(model, prompt, steps, "reference")
     report = {
         "prompt_tokens": prompt.shape[1],

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -28,7 +30,7 @@ def test_generate_equals_the_reference_path(family, bits):
     model = tiny_model(family, seed=bits)
     ids = torch.randint(0, 120, (1, 40), generator=torch.Generator().manual_seed(0))
     cfg = dict(sink=4, recent=8)
-    patch_model_for_kv_quant(model, bits=bits, cluster_dim=32, rotations="hadamard", **cfg)
+    patch_model_for_kv_quant(model, OscarConfig(k_bits=bits, v_bits=bits, cluster_dim=32, **cfg), rotations="hadamard")
     out = model.generate(ids, max_new_tokens=12, do_sample=False)[0, 40:].tolist()
     ref_cache = OscarKVCache(OscarConfig(k_bits=bits, v_bits=bits, cluster_dim=32, **cfg), 2, 2, 64, 52,
                              hadamard_rotations(2, 64), hadamard_rotations(2, 64))
@@ -37,7 +39,7 @@ def test_generate_equals_the_reference_path(family, bits):
 
 def test_cache_is_really_packed_and_its_bytes_match_the_planner():
     model = tiny_model("llama")
-    patch_model_for_kv_quant(model, bits=2, cluster_dim=64, rotations="online", sink=4, recent=8)
+    patch_model_for_kv_quant(model, OscarConfig(sink=4, recent=8), rotations="online")
     cache = OscarCache(model, max_context=200)
     ids = torch.randint(0, 120, (1, 50))
     model.generate(ids, max_new_tokens=5, do_sample=False, cache=cache)
@@ -51,7 +53,7 @@ def test_cache_is_really_packed_and_its_bytes_match_the_planner():
 
 def test_online_rotations_are_estimated_then_frozen():
     model = tiny_model("llama")
-    patch_model_for_kv_quant(model, bits=2, rotations="online", sink=2, recent=4)
+    patch_model_for_kv_quant(model, OscarConfig(sink=2, recent=4), rotations="online")
     cache = OscarCache(model, max_context=64)
     model.generate(torch.randint(0, 120, (1, 20)), max_new_tokens=3, do_sample=False, cache=cache)
     rot = cache.kv.rotation["k"]
@@ -73,9 +75,9 @@ def test_plain_forward_of_a_patched_model_is_unchanged():
 def test_bad_arguments():
     model = tiny_model("llama")
     with pytest.raises(OscarInputError, match="cluster_dim=128 does not divide head_dim=64"):
-        patch_model_for_kv_quant(model, cluster_dim=128)
-    with pytest.raises(OscarInputError, match="bits=5|k_bits=5"):
-        patch_model_for_kv_quant(model, bits=5)
+        patch_model_for_kv_quant(model, OscarConfig(cluster_dim=128))
+    with pytest.raises(TypeError, match="config is dict: expected an OscarConfig or None"):
+        patch_model_for_kv_quant(model, {"k_bits": 2})
     with pytest.raises(OscarInputError, match="backend='cuda'"):
         patch_model_for_kv_quant(model, backend="cuda")
     with pytest.raises(OscarInputError, match="not patched"):
@@ -88,13 +90,13 @@ def test_bad_arguments():
 def test_triton_backend_generates_the_same_tokens():
     model = tiny_model("llama", seed=5)
     ids = torch.randint(0, 120, (1, 30), generator=torch.Generator().manual_seed(1))
-    common = dict(bits=2, cluster_dim=32, rotations="hadamard", sink=4, recent=8)
-    patch_model_for_kv_quant(model, backend="reference", **common)
+    config = OscarConfig(cluster_dim=32, sink=4, recent=8)
+    patch_model_for_kv_quant(model, config, rotations="hadamard", backend="reference")
     reference = model.generate(ids, max_new_tokens=6, do_sample=False)
-    patch_model_for_kv_quant(model, backend="triton", **common)
+    patch_model_for_kv_quant(model, config, rotations="hadamard", backend="triton")
     assert model.oscar.backend == "triton"
     assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), reference)
     with pytest.raises(OscarInputError, match="scale_dtype='float8_e4m3fn' with backend='triton'"):
-        patch_model_for_kv_quant(model, backend="triton", scale_dtype="float8_e4m3fn", **common)
+        patch_model_for_kv_quant(model, replace(config, scale_dtype="float8_e4m3fn"), backend="triton")
     with pytest.raises(OscarInputError, match="scale_dtype='float8_e4m3fn' with backend='triton'"):
         OscarCache(model, config=OscarConfig(scale_dtype="float8_e4m3fn"), backend="triton")

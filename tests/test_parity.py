@@ -41,7 +41,7 @@ def test_parity_on_a_tiny_model_passes_for_every_runtime():
 
 def test_parity_catches_a_corrupted_cache():
     model = tiny_model("llama")
-    patch_model_for_kv_quant(model, cluster_dim=32, rotations="hadamard", sink=4, recent=8)
+    patch_model_for_kv_quant(model, OscarConfig(cluster_dim=32, sink=4, recent=8), rotations="hadamard")
     prompt = torch.randint(0, 120, (1, 40))
     reference = generate_trace(model, prompt, 3, "reference")
     replay = replay_trace(model, reference, "reference")

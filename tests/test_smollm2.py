@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from oscar_export import patch_model_for_kv_quant
+from oscar_export import OscarConfig, patch_model_for_kv_quant
 from oscar_export.answers import SMOLLM2_SHA256
 from oscar_export.cli import main
 from oscar_export.parity import TIE_MARGIN
@@ -47,7 +47,7 @@ def test_it_answers_with_its_chat_template_through_the_2bit_cache(smollm2):
 
     assert "Paris" in answer()
     # Small windows put most of the prompt in the packed 2-bit body.
-    patch_model_for_kv_quant(model, bits=2, cluster_dim=64, rotations="hadamard", sink=4, recent=8)
+    patch_model_for_kv_quant(model, OscarConfig(sink=4, recent=8), rotations="hadamard")
     assert ids.shape[1] > 4 + 8 + 16
     assert "Paris" in answer()
 

@@ -10,7 +10,7 @@ import torch
 from oscar_export.calibrations import run_calibration
 from oscar_export.cli import main
 from oscar_export.config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
-from oscar_export.export.artifact import config_for
+from oscar_export.config import config_for
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model
 from oscar_export.rotation_files import load_rotations
 from oscar_export.tune import (

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..calibrations import CALIBRATED_K_ROUNDING, DEFAULT_TOKENS
-from ..config import SUPPORTED_BITS, OscarConfig, OscarInputError, default_cluster_dim, with_metadata_defaults
+from ..config import SUPPORTED_BITS, OscarConfig, OscarInputError, config_for
 from ..sizes import MAX_CONTEXT, MAX_STEPS
 
 
@@ -107,13 +107,13 @@ def cache_flag_values(args: argparse.Namespace) -> dict:
 def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = None) -> OscarConfig:
     """The cache flags; what a rotation file's metadata carries (config.with_metadata_defaults) applies where a flag
     is unset, then the defaults."""
-    fields = with_metadata_defaults(cache_flag_values(args), rotation_metadata)
-    if fields["cluster_dim"] is None:
+    fields = cache_flag_values(args)
+    head_dim = None
+    if fields["cluster_dim"] is None and getattr(args, "model", None):
         from ..models import model_shape
 
-        fields["cluster_dim"] = default_cluster_dim(model_shape(args.model).head_dim
-                                                    if getattr(args, "model", None) else None)
-    return OscarConfig(**{key: value for key, value in fields.items() if value is not None})
+        head_dim = model_shape(args.model).head_dim
+    return config_for(rotation_metadata, head_dim, **fields)
 
 
 def calibration_config(args: argparse.Namespace, config: OscarConfig, lloyd_max: bool = False) -> OscarConfig:

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..config import OscarConfig, OscarInputError, default_cluster_dim, with_metadata_defaults
+from ..config import OscarConfig, OscarInputError, config_for
 from ..rotation_files import ROTATION_MODES, load_rotations
 from ..sizes import MAX_CONTEXT, cache_layout
 
@@ -39,15 +39,6 @@ def rotation_metadata(rotations) -> dict:
     if isinstance(rotations, (str, Path)):
         return load_rotations(rotations).metadata
     return rotations.metadata
-
-
-def config_for(metadata: dict, head_dim: int | None = None, **fields) -> OscarConfig:
-    """OscarConfig from the given fields; a rotation file's metadata fills in the rest
-    (config.with_metadata_defaults), and an unset cluster_dim is then the default group for head_dim."""
-    fields = with_metadata_defaults(fields, metadata)
-    if fields.get("cluster_dim") is None:
-        fields["cluster_dim"] = default_cluster_dim(head_dim)
-    return OscarConfig(**{key: value for key, value in fields.items() if value is not None})
 
 
 def sha256(path: Path) -> str:

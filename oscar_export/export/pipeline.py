@@ -10,8 +10,8 @@ business, so this package never imports the targets.
 
 from __future__ import annotations
 
-from ..config import OscarConfig
-from .artifact import (check_export_args, config_for, default_context, eos_ids, export_lock, finish_manifest,
+from ..config import OscarConfig, config_for
+from .artifact import (check_export_args, default_context, eos_ids, export_lock, finish_manifest,
                        rotation_metadata, save_inputs, staged)
 
 

@@ -58,7 +58,7 @@ def test_greedy_tokens_equal_the_reference_generate(bundled):
     model, ids = bundled
     module = OscarCausalLM(model, OscarConfig(**WINDOWS), "hadamard").eval()
     tokens = greedy(module, ids, STEPS, CONTEXT)
-    patch_model_for_kv_quant(model, bits=2, cluster_dim=64, rotations="hadamard", **WINDOWS)
+    patch_model_for_kv_quant(model, OscarConfig(cluster_dim=64, **WINDOWS), rotations="hadamard")
     want = model.generate(ids, max_new_tokens=STEPS, do_sample=False)[0, PROMPT:].tolist()
     assert len(want) == STEPS and tokens == want
 
@@ -76,7 +76,7 @@ def test_folded_v_rotation_matches_the_unfolded_reference(bundled):
         explicit = attn.v_proj(x).view(1, 5, 2, 64).transpose(1, 2)[0] @ layer.k_rot  # Hadamard: R_v = R_k
     assert torch.allclose(folded, explicit, atol=1e-5)
 
-    patch_model_for_kv_quant(model, bits=2, cluster_dim=64, rotations="hadamard", **WINDOWS)
+    patch_model_for_kv_quant(model, OscarConfig(cluster_dim=64, **WINDOWS), rotations="hadamard")
     ref = OscarCache(model, max_context=CONTEXT)
     with torch.no_grad():
         want = model(ids, cache=ref, use_cache=True).logits[0, -1]
@@ -130,7 +130,7 @@ def test_every_family_equals_the_reference(family):
     rotations = random_rotation_set(2, 2, 64, seed=5) if family in ("qwen2", "qwen3") else "hadamard"
     module = OscarCausalLM(model, OscarConfig(**cfg), rotations).eval()
     tokens = greedy(module, ids, 12, 64)
-    patch_model_for_kv_quant(model, rotations=rotations, **cfg)
+    patch_model_for_kv_quant(model, OscarConfig(**cfg), rotations=rotations)
     assert tokens == model.generate(ids, max_new_tokens=12, do_sample=False)[0, 40:].tolist()
 
 
@@ -145,7 +145,7 @@ def test_fp8_scales_equal_the_reference():
     assert scales["layer0.k_scale"] == scales["layer0.v_zero"] == torch.uint8
     assert scales["layer0.k_sink"] == torch.float16
     tokens = greedy(module, ids, 12, 64)
-    patch_model_for_kv_quant(model, rotations="hadamard", **cfg)
+    patch_model_for_kv_quant(model, OscarConfig(**cfg), rotations="hadamard")
     assert tokens == model.generate(ids, max_new_tokens=12, do_sample=False)[0, 40:].tolist()
 
 
@@ -158,7 +158,7 @@ def test_lloyd_max_levels_come_from_the_rotation_file():
     module = OscarCausalLM(model, OscarConfig(**cfg), rotations).eval()
     assert torch.equal(module.layers[1].v_levels, rotations.v_levels[1])
     tokens = greedy(module, ids, 12, 64)
-    patch_model_for_kv_quant(model, rotations=rotations, **cfg)
+    patch_model_for_kv_quant(model, OscarConfig(**cfg), rotations=rotations)
     assert tokens == model.generate(ids, max_new_tokens=12, do_sample=False)[0, 40:].tolist()
 
 

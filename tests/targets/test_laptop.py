@@ -59,7 +59,7 @@ def prompt():
 def reference(prompt):
     """Greedy tokens and the cache after the prompt, from transformers with the reference OscarCache."""
     model, _ = load_model("bundled")
-    patch_model_for_kv_quant(model, rotations="hadamard", **CONFIG)
+    patch_model_for_kv_quant(model, OscarConfig(**CONFIG), rotations="hadamard")
     ids = torch.tensor([prompt])
     tokens = model.generate(ids, max_new_tokens=STEPS, do_sample=False)[0, PROMPT:].tolist()
     cache = OscarCache(model, max_context=CONTEXT)
