@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from oscar_export.distribution import Distributions, compare
+from oscar_export.parity.distribution import Distributions, compare
 from oscar_export.export.artifact import eager_module
 from oscar_export.export.graph import OscarDecoderLayer
 from oscar_export.run import open_artifact

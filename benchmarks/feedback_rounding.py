@@ -25,7 +25,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from oscar_export.calibrate import fit_quantizer, fit_rotations
+from oscar_export.calibration.fit import fit_quantizer, fit_rotations
 from oscar_export.config import OscarConfig
 from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache
 from oscar_export.hf_cache import attention_shape

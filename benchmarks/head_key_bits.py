@@ -13,7 +13,7 @@ not in the format; its rows run the reference codec (codec.quantize / dequantize
 fp16 K at 4 bits and the K2 format's clip search at 4 bits, in the evaluation's one-pass cache.
 
 Ranking, on the split's calibration text only: its first 2,048 tokens with the budget tuner's retrieval probe in
-them (tune.retrieval_probe), NLL summed over tokens with every K at 2 bits, less that with one layer (or one KV
+them (budget.retrieval_probe), NLL summed over tokens with every K at 2 bits, less that with one layer (or one KV
 head) alone at 4 bits. Scoring as benchmarks/mixed_key_bits.py: perplexity of one 8K window at 2K/4K/8K and
 four needle sequences, each row's gap to fp16 paired per token.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from oscar_export.calibrate import clip_errors
+from oscar_export.calibration.fit import clip_errors
 from oscar_export.sizes import bits_per_element
 from oscar_export.codec import dequantize, quantize
 from oscar_export.config import OscarConfig
@@ -40,7 +40,7 @@ from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache
 from oscar_export.evaluate.methods import oscar_method
 from oscar_export.evaluate.metrics import token_nll
 from oscar_export.hf_cache import attention_shape
-from oscar_export.tune import CHUNK, retrieval_probe
+from oscar_export.evaluate.budget import CHUNK, retrieval_probe
 
 from common import (
     BITS_CONTEXT,

@@ -42,7 +42,7 @@ print('$1', $2, 'peak GiB', round(r['peak_rss'] / 2**30, 2), 'tokens/s', r['deco
 
 for layers in 2 4 8 32; do
   ckpt=$work/llama-3-8b-${layers}l
-  [ -d "$ckpt" ] || .venv/bin/python -m oscar_export.random_checkpoint --out "$ckpt" --layers "$layers"
+  [ -d "$ckpt" ] || .venv/bin/python -m oscar_export.models.random_checkpoint --out "$ckpt" --layers "$layers"
   export_timed laptop "$layers" --group-size 128
   [ "$layers" = 32 ] || rm -rf "$work/laptop-${layers}l"
 done

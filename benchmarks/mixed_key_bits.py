@@ -20,7 +20,7 @@ Which layers get 3 bits is chosen on calibration tokens only, by one of two rule
 - "err": the drop in that layer's attention-output relative error with only K quantized (2 -> 3 bits) on
   the held-out calibration tokens, calibrate.clip_errors' criterion per layer.
 Rows are named mixed-<rule><n>/s<sink>-r<recent>: n layers with 3-bit K, the cache format's k_bits_by_layer
-("nll" ranks with tune.layer_gains, the ranking `calibrate --budget-bits` uses). --budget B adds the row
+("nll" ranks with budget.layer_gains, the ranking `calibrate --budget-bits` uses). --budget B adds the row
 budget-B: the format `calibrate --budget-bits B --context 8192 --per-head` chooses from the split's calibration
 text alone, by the CLI's own path:
 
@@ -75,15 +75,15 @@ import torch
 
 from smollm2_levers import CONTEXTS
 
-from oscar_export.calibrate import clip_candidates, clip_errors
+from oscar_export.calibration.fit import clip_candidates, clip_errors
 from oscar_export.sizes import bits_per_element
-from oscar_export.calibrations import run_calibration
+from oscar_export.calibration.cached import run_calibration
 from oscar_export.config import OscarConfig
 from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache
 from oscar_export.evaluate.methods import oscar_method
 from oscar_export.config import config_for
 from oscar_export.hf_cache import attention_shape
-from oscar_export.tune import Candidate, layer_gains
+from oscar_export.evaluate.budget import Candidate, format_chooser, layer_gains
 
 from common import (
     BITS_CONTEXT,
@@ -135,7 +135,9 @@ def budget_row(budget: float, context: int, model, tokenizer, calibration_text: 
         path.write_text(calibration_text)
         rotation_set, seconds = run_calibration(GGUF, OscarConfig(k_rounding=k_rounding, scale_dtype=scale_dtype),
                                                 path, CALIB_TOKENS, CALIB_HELDOUT, per_head=True, model=model,
-                                                tokenizer=tokenizer, budget=(budget, context))
+                                                tokenizer=tokenizer,
+                                                choose=format_chooser(budget, context, head_dim, False, k_rounding,
+                                                                      scale_dtype))
     config = config_for(rotation_set.metadata, head_dim)
     log(f"budget {budget} at {context}: chose {config.describe()} sink {config.sink} recent {config.recent} "
         f"in {seconds} s")

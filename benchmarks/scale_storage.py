@@ -35,7 +35,7 @@ import torch
 from feedback_rounding import FEEDBACK_CLIP
 
 from oscar_export.sizes import bits_per_element
-from oscar_export.calibrate import fit_quantizer, fit_rotations
+from oscar_export.calibration.fit import fit_quantizer, fit_rotations
 from oscar_export.codec import _groups, check_finite, encode, encode_feedback, group_scale_zero, uniform_levels
 from oscar_export.config import OscarConfig
 from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache

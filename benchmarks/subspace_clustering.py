@@ -47,14 +47,14 @@ import torch.nn.functional as F
 
 
 from oscar_export.sizes import bits_per_element
-from oscar_export.calibrate import CLIP_CANDIDATES, ObjectiveAccumulators, clip_errors
-from oscar_export.capture import capture_qkv
+from oscar_export.calibration.fit import CLIP_CANDIDATES, ObjectiveAccumulators, clip_errors
+from oscar_export.calibration.capture import capture_qkv
 from oscar_export.codec import dequantize, quantize
 from oscar_export.config import OscarConfig
 from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache
 from oscar_export.evaluate.methods import oscar_method
 from oscar_export.hf_cache import attention_shape
-from oscar_export.rotations import oscar_rotation
+from oscar_export.calibration.rotations import oscar_rotation
 
 from common import (BITS_CONTEXT, CALIB_HELDOUT, CALIB_TOKENS, CONTEXTS, ROOT, WINDOW, cluster_bits, load_split, log,
                     measure)

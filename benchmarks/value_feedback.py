@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from oscar_export.calibrate import (
+from oscar_export.calibration.fit import (
     FEEDBACK_DAMPING,
     _attention,
     _expand,

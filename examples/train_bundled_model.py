@@ -310,7 +310,7 @@ def main():
         shutil.rmtree(stage, ignore_errors=True)
         raise
     print(f"wrote {args.out} ({size / 1e6:.1f} MB)")
-    from oscar_export.calibrations import write_shipped_calibration
+    from oscar_export.calibration.cached import write_shipped_calibration
     from oscar_export.models import BUNDLED_MODEL_DIR
 
     if args.out.resolve() == BUNDLED_MODEL_DIR.resolve():

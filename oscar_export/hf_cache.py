@@ -17,10 +17,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .cache import OscarKVCache
-from .calibrate import online_rotations
+from .calibration.fit import online_rotations
 from .config import OscarConfig, OscarInputError, config_for
-from .rotation_files import ROTATION_MODES
-from .rotations import hadamard_rotations
+from .calibration.files import ROTATION_MODES
+from .calibration.rotations import hadamard_rotations
 
 ATTENTION_IMPLEMENTATION = "oscar"
 BACKENDS = ("reference", "triton")
@@ -214,7 +214,7 @@ def resolve_rotations(rotations, model):
     if isinstance(rotations, str) and rotations in ROTATION_MODES:
         return rotations
     if isinstance(rotations, (str, Path)):
-        from .rotation_files import load_rotations
+        from .calibration.files import load_rotations
 
         layers, kv_heads, head_dim, _ = attention_shape(model)
         return load_rotations(rotations, layers=layers, head_dim=head_dim, kv_heads=kv_heads)

@@ -20,7 +20,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from .calibrations import cache_dir
+from .calibration.cached import cache_dir
 from .config import OscarInputError
 
 PACKAGE = Path(__file__).resolve().parent

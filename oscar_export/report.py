@@ -9,12 +9,12 @@ import torch
 
 from .cache import OscarKVCache
 from .sizes import bits_per_element
-from .capture import collect_qkv
+from .calibration.capture import collect_qkv
 from .codec import dequantize, quantize
 from .config import OscarConfig, OscarInputError
 from .models import BUNDLED_MODEL_DIR, load_model
 from .progress import progress
-from .rotations import hadamard_rotations
+from .calibration.rotations import hadamard_rotations
 
 DEFAULT_TEXT = BUNDLED_MODEL_DIR / "heldout.txt"
 

@@ -7,7 +7,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 DEST="$ROOT/.cache/models/smollm2"
 GGUF="$DEST/SmolLM2-135M-Instruct.Q4_1.gguf"
-SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # oscar_export/answers.py knows it by this
+SHA256=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  # oscar_export/parity/answers.py knows it by this
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 if [ ! -f "$GGUF" ]; then
   mkdir -p "$DEST"

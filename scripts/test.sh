@@ -5,7 +5,8 @@
 # Pass -n 0 to run in this process (e.g. for a debugger); set OSCAR_TEST_WORKERS to choose the count.
 set -euo pipefail
 source "$(dirname "$0")/venv.sh"
-cores="$(nproc)"
+# The CPUs this process may run on (nproc would count OMP_NUM_THREADS, which the CI sets for one of its passes).
+cores="$(.venv/bin/python -c 'import os; print(len(os.sched_getaffinity(0)))')"
 workers="${OSCAR_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / workers > 0 ? cores / workers : 1 ))}"
 exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"

@@ -66,7 +66,7 @@ def mutate_bytes(rng: np.random.Generator, data: bytes) -> bytes:
 
 
 def _rotation_sources(tmp: Path) -> tuple[Path, Path, Path]:
-    from oscar_export.rotation_files import RotationSet, export_rotation_zoo, save_rotations
+    from oscar_export.calibration.files import RotationSet, export_rotation_zoo, save_rotations
 
     q = torch.linalg.qr(torch.randn(2, 32, 32, generator=torch.Generator().manual_seed(0)))[0].contiguous()
     rs = RotationSet(k=q, v=q.flip(-1).contiguous(), k_eigenvalues=torch.rand(2, 32), v_eigenvalues=torch.rand(2, 32),
@@ -82,7 +82,7 @@ METADATA_VALUES = [5.0, -1, "abc", float("nan"), None, [], {}, "magic", 7, 48, 0
 
 
 def fuzz_rotation_files(rng: np.random.Generator, cases: int, tmp: Path) -> Counter:
-    from oscar_export.rotation_files import import_rotation_zoo, load_rotations
+    from oscar_export.calibration.files import import_rotation_zoo, load_rotations
 
     ours, k, v = _rotation_sources(tmp)
     counts = Counter()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from oscar_export.capture import collect_qkv
+from oscar_export.calibration.capture import collect_qkv
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model
 from oscar_export.report import codec_report
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from numpy_codec import quantize_vector, unpack_vector
-from oscar_export.calibrate import feedback_weights
+from oscar_export.calibration.fit import feedback_weights
 from oscar_export.codec import (
     dequantize,
     fit_lloyd_max_levels,

@@ -24,7 +24,7 @@ from oscar_export.evaluate.tables import plot, print_table
 from model_checks import LOGITS_RTOL, logits_rel_error
 from oscar_export.hf_cache import route_attention
 from oscar_export.models import BUNDLED_MODEL_DIR
-from oscar_export.rotations import hadamard_rotations
+from oscar_export.calibration.rotations import hadamard_rotations
 
 VOCAB = 128
 
@@ -364,7 +364,7 @@ def test_result_has_the_required_keys(small_result):
 
 
 def test_rotation_file_is_used(tiny, text_file, tmp_path):
-    from oscar_export.rotation_files import RotationSet, save_rotations
+    from oscar_export.calibration.files import RotationSet, save_rotations
 
     rot = hadamard_rotations(2, 64)
     path = tmp_path / "rot.safetensors"

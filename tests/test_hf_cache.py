@@ -8,7 +8,7 @@ from oscar_export.config import OscarInputError
 from oscar_export.hf_cache import OscarCache, patch_model_for_kv_quant, route_attention
 from oscar_export.models import ModelShape
 from oscar_export.planner import plan
-from oscar_export.rotations import hadamard_rotations
+from oscar_export.calibration.rotations import hadamard_rotations
 from tiny_models import FAMILIES, tiny_model
 
 

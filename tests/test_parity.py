@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oscar_export.config import OscarConfig, OscarInputError
-from oscar_export.distribution import Distributions, compare, kl_divergence
+from oscar_export.parity.distribution import Distributions, compare, kl_divergence
 from oscar_export.parity import (
     TIE_MARGIN,
     _forced_text,

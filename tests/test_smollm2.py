@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from oscar_export import OscarConfig, patch_model_for_kv_quant
-from oscar_export.answers import SMOLLM2_SHA256
+from oscar_export.parity.answers import SMOLLM2_SHA256
 from oscar_export.cli import main
 from oscar_export.parity import TIE_MARGIN
 from oscar_export.targets import get

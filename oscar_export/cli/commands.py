@@ -70,7 +70,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     reserve = parse_bytes(args.reserve, "--reserve") if args.reserve else None
     metadata = None
     if args.rotations is not None:
-        from ..rotation_files import load_rotations
+        from ..calibration.files import load_rotations
 
         metadata = load_rotations(args.rotations).metadata
     result = plan(
@@ -205,9 +205,9 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import resource
 
-    from ..calibrations import default_text, read_text, run_calibration
+    from ..calibration.cached import default_text, read_text, run_calibration
     from ..models import load_model
-    from ..rotation_files import check_writable, export_rotation_zoo, save_rotations, zoo_paths
+    from ..calibration.files import check_writable, export_rotation_zoo, save_rotations, zoo_paths
 
     config = calibration_config(args, config_from_args(args), args.lloyd_max)
     text_path = args.text or default_text()
@@ -216,15 +216,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.context is not None and args.budget_bits is None:
         raise OscarInputError("--context is the context --budget-bits holds at: expected --budget-bits with it")
     model, tokenizer = load_model(args.model, offload_folder=args.offload_folder, max_memory=args.max_memory)
-    budget = None
+    choose = None
     if args.budget_bits is not None:
+        from ..evaluate.budget import format_chooser
         from ..evaluate.specs import DEFAULT_LONGEST_CONTEXT
+        from ..hf_cache import attention_shape
 
         positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-        budget = (args.budget_bits, args.context or min(positions or DEFAULT_LONGEST_CONTEXT, DEFAULT_LONGEST_CONTEXT))
+        context = args.context or min(positions or DEFAULT_LONGEST_CONTEXT, DEFAULT_LONGEST_CONTEXT)
+        choose = format_chooser(args.budget_bits, context, attention_shape(model)[2], args.lloyd_max,
+                                config.k_rounding, config.scale_dtype)
     rotation_set, seconds = run_calibration(args.model, config, text_path, args.tokens, args.heldout_tokens,
                                             per_head=args.per_head, lloyd_max=args.lloyd_max, model=model,
-                                            tokenizer=tokenizer, budget=budget)
+                                            tokenizer=tokenizer, choose=choose)
     save_rotations(args.out, rotation_set)
     zoo = None
     if args.zoo_out is not None:
@@ -279,11 +283,11 @@ def cmd_parity(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model)
     if torch.cuda.is_available():
         model = model.cuda()
-    from ..rotation_files import ROTATION_MODES, load_rotations
+    from ..calibration.files import ROTATION_MODES, load_rotations
 
     rotations, metadata = args.rotations, None
     if rotations == "calibrate":
-        from ..calibrations import calibrated_rotations
+        from ..calibration.cached import calibrated_rotations
 
         rotations = calibrated_rotations(args.model, config_from_args(args))[0]
     if rotations not in ROTATION_MODES:

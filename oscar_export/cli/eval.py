@@ -50,7 +50,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     metadata = None
     if args.rotations is not None:  # a budget-chosen file sets the format every method is evaluated at
-        from ..rotation_files import load_rotations
+        from ..calibration.files import load_rotations
 
         metadata = load_rotations(args.rotations).metadata
     config = config_from_args(args, metadata)

@@ -8,7 +8,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from ..calibrations import CALIBRATED_K_ROUNDING, DEFAULT_TOKENS
+from ..calibration.cached import CALIBRATED_K_ROUNDING, DEFAULT_TOKENS
 from ..config import SUPPORTED_BITS, OscarConfig, OscarInputError, config_for
 from ..sizes import MAX_CONTEXT, MAX_STEPS
 
@@ -153,12 +153,12 @@ def export_parser(target) -> argparse.ArgumentParser:
 
 def export_rotations(args: argparse.Namespace) -> tuple[object, str]:
     """--rotations as the export takes it, and a few words on where it came from. `calibrate` is a cached
-    calibration for the model, text and cache format (calibrations.calibrated_rotations)."""
+    calibration for the model, text and cache format (calibration.cached.calibrated_rotations)."""
     if args.rotations != "calibrate":
         if args.calibration_text is not None:
             raise OscarInputError(f"--calibration-text is for --rotations calibrate, not {args.rotations!r}")
         return args.rotations, args.rotations
-    from ..calibrations import calibrated_rotations
+    from ..calibration.cached import calibrated_rotations
 
     config = calibration_config(args, config_from_args(args))
     path, reused = calibrated_rotations(args.model, config, args.calibration_text, args.calibration_tokens)

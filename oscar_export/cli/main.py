@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..calibrations import DEFAULT_HELDOUT_TOKENS, DEFAULT_TOKENS
+from ..calibration.cached import DEFAULT_HELDOUT_TOKENS, DEFAULT_TOKENS
 from ..config import OscarInputError
 from ..targets import names
 from . import commands
@@ -107,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "and every runtime, whose next-token distributions are compared (KL divergence, top-1 "
                         "agreement, perplexity); at most the artifact's context (default %(default)s; 0: skip)")
     p.add_argument("--no-answers", action="store_true",
-                   help="with --artifact: skip the known questions of the artifact's model (oscar_export/answers.py)")
+                   help="with --artifact: skip the known questions of the artifact's model (oscar_export/parity/answers.py)")
     p.add_argument("--save-trace", type=Path, metavar="FILE",
                    help="with --artifact: record the reference run (prompt, tokens, logits, codes; on CUDA when "
                         "present) into FILE instead of comparing, to check a runtime on another machine")

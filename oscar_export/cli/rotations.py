@@ -19,7 +19,7 @@ def _layout(kv_heads: int | None) -> str:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from ..rotation_files import export_rotation_zoo, import_rotation_zoo, load_rotations, save_rotations, zoo_paths
+    from ..calibration.files import export_rotation_zoo, import_rotation_zoo, load_rotations, save_rotations, zoo_paths
 
     if args.to_zoo:
         paired = args.k is not None and args.v is not None
@@ -46,7 +46,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from ..rotation_files import check_report
+    from ..calibration.files import check_report
 
     report = check_report(args.file)
     if args.json:

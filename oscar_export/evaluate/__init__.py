@@ -11,7 +11,7 @@ its own bits: ``oscar-3`` (3-bit K and V), ``oscar-k3v2`` (3-bit K, 2-bit V):
   tokens), V per token (groups of ``cluster_dim`` channels), with its fp16 residual
   (:class:`KiviCache`).
 - ``oscar``: the OSCAR cache with rotations from a rotation file, or calibrated on the fly
-  (:mod:`oscar_export.calibrate`: rotations fitted once, clip ratios searched per bit width) on
+  (:mod:`oscar_export.calibration.fit`: rotations fitted once, clip ratios searched per bit width) on
   text disjoint from the evaluation text.
 - ``online``: rotations estimated from each sequence's first chunk, as ``OscarCache``'s online
   mode does (:class:`OnlineOscarKVCache`).

@@ -7,7 +7,7 @@ import torch
 
 from ..cache import OscarKVCache, causal_gqa_attention
 from ..sizes import bits_per_element as oscar_bits_per_element
-from ..calibrate import online_rotations
+from ..calibration.fit import online_rotations
 from ..codec import Quantized, check_finite, dequantize, quantize
 from ..config import OscarConfig, OscarInputError
 from .one_pass import SequenceKV

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..capture import collect_qkv
+from ..calibration.capture import collect_qkv
 from ..config import OscarConfig, OscarInputError
 from ..hf_cache import attention_shape
 from ..progress import note

@@ -10,7 +10,7 @@ import torch
 
 from ..config import OscarConfig, OscarInputError
 from ..hf_cache import attention_shape
-from ..rotations import hadamard_rotations
+from ..calibration.rotations import hadamard_rotations
 from .baselines import EvalOscarKVCache, Fp16Cache, KiviCache, OnlineOscarKVCache
 from .specs import method_config
 
@@ -88,14 +88,14 @@ def oscar_method(model, tokenizer, spec, config, shape, rotations, calibration, 
     if rotations is not None and not isinstance(rotations, (str, Path)):
         return oscar_from_rotations(rotations, config, shape, "the given rotation set", "given rotation set", spec)
     if rotations is not None:
-        from ..rotation_files import load_rotations
+        from ..calibration.files import load_rotations
 
         rs = load_rotations(rotations, layers=layers, head_dim=head_dim, kv_heads=kv_heads)
         return oscar_from_rotations(rs, config, shape, str(rotations), None, spec)
     text, tokens, heldout = calibration
     if text is None:
         raise OscarInputError("methods: 'oscar' without rotations needs calibration text")
-    from ..calibrate import fit_quantizer, fit_rotations
+    from ..calibration.fit import fit_quantizer, fit_rotations
 
     if not fitted:
         fitted.update(fit_rotations(model, tokenizer, text, tokens, heldout, per_head=per_head,

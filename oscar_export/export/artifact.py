@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..config import OscarConfig, OscarInputError, config_for
-from ..rotation_files import ROTATION_MODES, load_rotations
+from ..calibration.files import ROTATION_MODES, load_rotations
 from ..sizes import MAX_CONTEXT, cache_layout
 
 MANIFEST = "manifest.json"

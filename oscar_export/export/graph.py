@@ -22,7 +22,7 @@ from ..config import OscarConfig, OscarInputError
 from ..hf_cache import attention_shape, resolve_rotations
 from ..models import FAMILIES
 from ..ops.attention import op_attributes
-from ..rotations import hadamard_rotations
+from ..calibration.rotations import hadamard_rotations
 
 
 def _fold_v(v_proj: nn.Linear, rot: torch.Tensor) -> nn.Linear:

@@ -151,7 +151,7 @@ def test_head_dim_32_calibrates_and_plans_with_no_flag(head_dim_32_checkpoint, t
     assert r.returncode == 0, r.stderr[-2000:]
     import torch
 
-    from oscar_export.rotation_files import load_rotations
+    from oscar_export.calibration.files import load_rotations
 
     assert torch.equal(load_rotations(again).k, load_rotations(rot).k)
 

@@ -13,7 +13,7 @@ from oscar_export.export.graph import CACHE_NAMES, OscarCausalLM, greedy
 from oscar_export.hf_cache import OscarCache, patch_model_for_kv_quant
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model
 from oscar_export.ops.attention import op_attributes
-from oscar_export.rotation_files import RotationSet
+from oscar_export.calibration.files import RotationSet
 from tiny_models import FAMILIES, tiny_model
 
 PROMPT, STEPS, CONTEXT = 100, 64, 200

@@ -23,7 +23,7 @@ from oscar_export.export.pipeline import export_artifact
 from oscar_export.targets import get
 from oscar_export.export.streamed import StreamedWeights, meta_model
 from oscar_export.models import load_model, model_shape
-from oscar_export.random_checkpoint import BUNDLED_VOCAB, checkpoint_config, write_checkpoint
+from oscar_export.models.random_checkpoint import BUNDLED_VOCAB, checkpoint_config, write_checkpoint
 from oscar_export.targets.laptop.lower import MODEL_FILE, export_onnx
 
 NARROW = dict(shrink=8, vocab=BUNDLED_VOCAB)  # hidden 512, 4 q / 1 KV heads of 128, FFN 1792

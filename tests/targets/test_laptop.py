@@ -448,8 +448,8 @@ def test_per_layer_key_bits_run_in_onnx_runtime(tmp_path, prompt, scale_dtype):
 def test_feedback_rounding_runs_in_onnx_runtime(tmp_path, prompt):
     """K's codes chosen with error feedback: the native op and the pure-ONNX fallback both give the eager module's
     tokens and, up to counted rounding, its codes; and the codes are not those of nearest rounding."""
-    from oscar_export.rotation_files import RotationSet, save_rotations
-    from oscar_export.rotations import hadamard_rotations
+    from oscar_export.calibration.files import RotationSet, save_rotations
+    from oscar_export.calibration.rotations import hadamard_rotations
 
     rot = hadamard_rotations(4, 64)
     weights = torch.triu(torch.randn(4, 2, 64, 64, generator=torch.Generator().manual_seed(3)) * 0.3, 1)

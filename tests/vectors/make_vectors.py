@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from oscar_export.cache import OscarKVCache
 from oscar_export.sizes import KINDS
-from oscar_export.calibrate import ObjectiveAccumulators, feedback_weights
+from oscar_export.calibration.fit import ObjectiveAccumulators, feedback_weights
 from oscar_export.codec import dequantize, fit_lloyd_max_levels, normalized_codes, quantize
 from oscar_export.config import OscarConfig
 

@@ -26,8 +26,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .codec import check_feedback, check_finite, check_levels
-from .config import SUPPORTED_BITS, OscarConfig, OscarInputError
+from ..codec import check_feedback, check_finite, check_levels
+from ..config import SUPPORTED_BITS, OscarConfig, OscarInputError
 from .rotations import max_orthogonality_error, orthogonality_errors
 
 # What --rotations takes besides a rotation file.

@@ -8,8 +8,8 @@ before the next, so even the 16 GB Llama-3-8B never exists in memory. The tokeni
 model's (its ids fit any vocabulary here). The text such a model writes is noise: it measures
 bytes, memory and time, never quality.
 
-    python -m oscar_export.random_checkpoint --out ckpt/llama-3-8b
-    python -m oscar_export.random_checkpoint --out ckpt/llama-3-8b-4l --layers 4
+    python -m oscar_export.models.random_checkpoint --out ckpt/llama-3-8b
+    python -m oscar_export.models.random_checkpoint --out ckpt/llama-3-8b-4l --layers 4
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .config import OscarInputError
-from .models import BUNDLED_MODEL_DIR, FAMILIES, PRESETS
+from ..config import OscarInputError
+from . import BUNDLED_MODEL_DIR, FAMILIES, PRESETS
 
 # Llama 3.1 ships the Llama-3-8B shape with a 128K context through this RoPE scaling (its published config).
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
@@ -124,7 +124,7 @@ def write_checkpoint(out, preset: str = "llama-3-8b", layers: int | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m oscar_export.random_checkpoint", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m oscar_export.models.random_checkpoint", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="the new checkpoint directory")
     parser.add_argument("--preset", default="llama-3-8b", choices=sorted(PRESETS))
     parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")

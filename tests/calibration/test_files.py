@@ -9,9 +9,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from oscar_export import OscarInputError
-from oscar_export import rotation_files
+from oscar_export.calibration import files as rotation_files
 from oscar_export.cli.rotations import add_rotations_command
-from oscar_export.rotation_files import (
+from oscar_export.calibration.files import (
     RotationSet,
     check_report,
     export_rotation_zoo,
@@ -21,7 +21,7 @@ from oscar_export.rotation_files import (
     save_rotations,
     zoo_paths,
 )
-from oscar_export.rotations import hadamard_rotations
+from oscar_export.calibration.rotations import hadamard_rotations
 
 LAYERS, D, HEADS = 3, 8, 2
 

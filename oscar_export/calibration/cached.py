@@ -17,7 +17,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from .config import OscarConfig, OscarInputError
+from ..config import OscarConfig, OscarInputError
 
 # Calibration text and token counts of `--rotations calibrate`; `calibrate` the command takes the same.
 DEFAULT_TOKENS = 16384
@@ -30,7 +30,7 @@ MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".gguf", ".model", ".txt
 
 
 def default_text() -> Path:
-    from .report import DEFAULT_TEXT
+    from ..report import DEFAULT_TEXT
 
     return DEFAULT_TEXT
 
@@ -53,8 +53,11 @@ def read_text(path) -> tuple[str, str]:
 
 def model_digest(model_name: str) -> str:
     """sha256 over the checkpoint's files (config, weights, tokenizer), each by name and content."""
-    from .export.artifact import sha256
-    from .models import is_gguf, model_dir
+    from ..models import is_gguf, model_dir
+
+    def sha256(path: Path) -> str:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
 
     if is_gguf(model_name):  # one file holds weights, tokenizer and config
         return sha256(Path(model_name).expanduser())
@@ -67,7 +70,7 @@ def model_digest(model_name: str) -> str:
 
 
 def cache_key(model_name: str, text_sha256: str, tokens: int, heldout_tokens: int, config: OscarConfig) -> str:
-    from .calibrate import CLIP_CANDIDATES, FEEDBACK_K_CLIP_FLOOR
+    from .fit import CLIP_CANDIDATES, FEEDBACK_K_CLIP_FLOOR
 
     fields = {"model": model_digest(model_name), "text": text_sha256, "tokens": tokens, "heldout": heldout_tokens,
               "k_bits": config.k_bits, "v_bits": config.v_bits, "cluster_dim": config.cluster_dim,
@@ -87,35 +90,25 @@ def cache_dir() -> Path:
 
 
 def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int, heldout_tokens: int,
-                    per_head: bool = False, lloyd_max: bool = False, model=None, tokenizer=None,
-                    budget: tuple[float, int] | None = None):
+                    per_head: bool = False, lloyd_max: bool = False, model=None, tokenizer=None, choose=None):
     """Calibrate and return (RotationSet, seconds); the metadata says how the rotations were made.
-    budget: (bits per element, context): the format is chosen within it (tune.py) instead of `config`'s,
-    and the metadata carries it, so export and eval take it from the file."""
-    from .calibrate import fit_quantizer, fit_rotations
-    from .models import load_model
-    from .rotation_files import ZOO_OBJECTIVES, RotationSet
+    choose: None fits `config`'s clips and levels; else a callable (model, tokenizer, fitted rotations, text) ->
+    (config, quantizer, metadata) that picks the format itself (evaluate.budget.format_chooser: the budget search),
+    whose metadata joins the file's, so export and eval take the format from it."""
+    from .fit import fit_quantizer, fit_rotations
+    from ..models import load_model
+    from .files import ZOO_OBJECTIVES, RotationSet
 
     text, text_sha256 = read_text(text_path)
     start = time.perf_counter()
     if model is None:
         model, tokenizer = load_model(model_name)
-    if budget is not None:  # a budget no format meets is refused before the fit, not minutes after it
-        from .hf_cache import attention_shape
-        from .tune import budget_candidates
-
-        budget_candidates(*budget, attention_shape(model)[2], lloyd_max, config.k_rounding, config.scale_dtype)
     fitted = fit_rotations(model, tokenizer, text, tokens, heldout_tokens, per_head=per_head,
                            text_name=f"calibration text {str(text_path)!r}")
-    chosen = None
-    if budget is not None:
-        from .tune import choose
-
-        chosen, considered = choose(model, tokenizer, fitted, text, *budget, lloyd_max=lloyd_max,
-                                    k_rounding=config.k_rounding, scale_dtype=config.scale_dtype)
-        config, result = chosen.config, chosen.quantizer
+    if choose is not None:
+        config, result, chosen = choose(model, tokenizer, fitted, text)
     else:
-        result = fit_quantizer(fitted, config, lloyd_max)
+        result, chosen = fit_quantizer(fitted, config, lloyd_max), {}
     seconds = round(time.perf_counter() - start, 1)
     metadata = {
         "model": model_name,
@@ -145,14 +138,7 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
         "seconds": seconds,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    if chosen is not None:  # the whole format, which export and eval then take from the file (config.py)
-        metadata.update({"sink": config.sink, "recent": config.recent, "budget_bits": budget[0],
-                         "budget_context": budget[1], "bits_per_element": chosen.bits,
-                         "budget_candidates": [c.summary() for c in considered]})
-        if config.mixed:
-            metadata.update({"k_bits_by_layer": list(config.k_bits_by_layer),
-                             "k_clip_by_layer": list(config.k_clip_by_layer),
-                             "k_layer_gains": [round(g, 4) for g in chosen.layer_gains]})
+    metadata.update(chosen)  # the whole format a chooser picked, which export and eval then take from the file
     rotation_set = RotationSet(
         k=result["k_rotation"], v=result["v_rotation"], metadata=metadata,
         k_levels=result.get("k_levels"), v_levels=result.get("v_levels"),
@@ -165,8 +151,8 @@ def calibrated_rotations(model_name: str, config: OscarConfig, text_path=None, t
                          heldout_tokens: int = DEFAULT_HELDOUT_TOKENS, store: Path | None = None) -> tuple[Path, bool]:
     """A rotation file calibrated for this model, text and format: (path, reused). Calibrates on a miss and
     stores the result in the cache directory, or at `store`."""
-    from .models import BUNDLED_MODEL_DIR
-    from .rotation_files import load_rotations, save_rotations
+    from ..models import BUNDLED_MODEL_DIR
+    from .files import load_rotations, save_rotations
 
     text_path = Path(text_path) if text_path is not None else default_text()
     _, text_sha256 = read_text(text_path)
@@ -195,8 +181,8 @@ def calibrated_rotations(model_name: str, config: OscarConfig, text_path=None, t
 def write_shipped_calibration() -> Path:
     """Calibrate the bundled model for the default export (2-bit, its default group) into the file beside its
     weights, keyed like the cache, so the default export reuses it. The training script calls this."""
-    from .config import default_cluster_dim
-    from .models import BUNDLED_MODEL_DIR, model_shape
+    from ..config import default_cluster_dim
+    from ..models import BUNDLED_MODEL_DIR, model_shape
 
     path = BUNDLED_MODEL_DIR / SHIPPED_FILE
     path.unlink(missing_ok=True)  # recalibrate even if the old file still matches

@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from oscar_export.calibrations import SHIPPED_FILE, cache_key, calibrated_rotations, default_text, read_text
+from oscar_export.calibration.cached import SHIPPED_FILE, cache_key, calibrated_rotations, default_text, read_text
 from oscar_export.cli import main
 from oscar_export.cli.flags import calibration_config
 from oscar_export.config import OscarConfig
 from oscar_export.models import BUNDLED_MODEL_DIR
-from oscar_export.rotation_files import load_rotations
+from oscar_export.calibration.files import load_rotations
 
 
 def error_line(err: str) -> str:
@@ -73,8 +73,8 @@ def test_bad_calibration_text_is_one_line_and_exit_2(tmp_path, capsys, make, nee
 
 
 def test_rotations_of_another_model_are_one_line_and_exit_2(tmp_path, capsys):
-    from oscar_export.rotation_files import RotationSet, save_rotations
-    from oscar_export.rotations import hadamard_rotations
+    from oscar_export.calibration.files import RotationSet, save_rotations
+    from oscar_export.calibration.rotations import hadamard_rotations
 
     other = tmp_path / "other.safetensors"
     h = hadamard_rotations(3, 64)  # the bundled model has 4 layers

@@ -10,9 +10,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import OscarInputError
+from ..config import OscarInputError
 
-BUNDLED_MODEL_DIR = Path(__file__).parent / "assets" / "bundled_model"
+BUNDLED_MODEL_DIR = Path(__file__).parent.parent / "assets" / "bundled_model"
 
 # Architecture fields of public checkpoints (from their published config.json files).
 PRESETS: dict[str, dict] = {

@@ -4,7 +4,7 @@ loses least, chosen on the calibration data alone.
 Candidates are the K and V bit widths, group sizes and fp16 window pairs (WINDOWS) whose cache stores
 at most B bits per element at `context` (sizes.bits_per_element: the layout the planner counts). For
 each (k_bits, v_bits, cluster_dim) only the largest windows that fit are kept: windows cost bits,
-never accuracy. Every candidate gets the calibration's clip search (calibrate.fit_quantizer, on the
+never accuracy. Every candidate gets the calibration's clip search (fit.fit_quantizer, on the
 held-out calibration tokens); the `shortlist` with the lowest attention-output error (K's plus V's)
 are then scored by perplexity through the packed cache, in one pass (evaluate.one_pass.one_pass_logits), of the
 calibration text's first `context` tokens with a retrieval probe in them (retrieval_probe: spans of the text
@@ -26,8 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from .sizes import bits_per_element
-from .config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
+from ..sizes import bits_per_element
+from ..config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
 
 # (sink, recent) fp16 tokens, the most tokens first (at equal totals the longer recent window).
 WINDOWS = tuple(sorted(((s, r) for s in (64, 32, 16, 0) for r in (512, 384, 256, 192, 128, 64, 32)),
@@ -97,7 +97,7 @@ def retrieval_probe(ids):
     """The calibration tokens `ids` with a copy task in them: five spans of the text inserted at depths 0.1 to
     0.9 of the rest, then repeated at its end (evaluate.metrics.needle_cases on calibration tokens: a few dozen tokens
     shorter than `ids`). Scored whole, its NLL counts ordinary prediction and retrieval from far back."""
-    from .evaluate.metrics import needle_cases
+    from .metrics import needle_cases
 
     haystack = len(ids) - 3 * len(PROBE_DEPTHS) * PROBE_TOKENS
     if haystack < 2 * len(PROBE_DEPTHS) * PROBE_TOKENS:
@@ -134,8 +134,8 @@ def _nll(model, ids, config: OscarConfig, quantizer: dict, fitted: dict):
     """NLL [T - 1] of the calibration tokens `ids` through the packed cache of `config`, in one pass."""
     import torch
 
-    from .evaluate.baselines import EvalOscarKVCache
-    from .evaluate.metrics import token_nll
+    from .baselines import EvalOscarKVCache
+    from .metrics import token_nll
 
     cache = EvalOscarKVCache(config, fitted["layers"], fitted["kv_heads"], fitted["head_dim"], len(ids),
                              quantizer["k_rotation"], quantizer["v_rotation"], quantizer.get("k_levels"),
@@ -149,7 +149,7 @@ def layer_gains(model, ids, fitted: dict, base: Candidate, wider_clip: float, wi
                 ) -> list[float]:
     """Per layer: calibration NLL of `ids` (nats, summed over tokens) with every layer at `base`'s K width, less
     that with this layer alone `wider_bits` wide (default one bit wider)."""
-    from .progress import progress
+    from ..progress import progress
 
     layers, c = fitted["layers"], base.config
     wider_bits = c.k_bits + 1 if wider_bits is None else wider_bits
@@ -166,7 +166,7 @@ def layer_gains(model, ids, fitted: dict, base: Candidate, wider_clip: float, wi
 
 def wider_clips(clip: float, count: int = WIDER_CLIPS) -> list[float]:
     """`count` of CLIP_CANDIDATES above `clip`, evenly spread, 1.0 (no clipping) always among them."""
-    from .calibrate import CLIP_CANDIDATES
+    from ..calibration.fit import CLIP_CANDIDATES
 
     above = sorted(c for c in CLIP_CANDIDATES if c > clip)
     if len(above) <= count:
@@ -178,9 +178,9 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
            shortlist: int = SHORTLIST, k_rounding: str = "nearest", scale_dtype: str = "float16"
            ) -> tuple[Candidate, list[Candidate]]:
     """The chosen candidate and every candidate considered (attention error for the one-width ones, perplexity
-    for their shortlist and the mixed-K ones), from a rotation fit (calibrate.fit_rotations) and its
+    for their shortlist and the mixed-K ones), from a rotation fit (fit.fit_rotations) and its
     calibration text."""
-    from .calibrate import _tokens_from_text, clip_candidates, clip_errors, fit_quantizer
+    from ..calibration.fit import _tokens_from_text, clip_candidates, clip_errors, fit_quantizer
 
     found = budget_candidates(budget, context, fitted["head_dim"], lloyd_max, k_rounding, scale_dtype)
     for c in found:
@@ -222,3 +222,25 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
         c.quantizer, c.layer_gains = best.quantizer, gains
         score(c)
     return min([best] + mixed, key=lambda c: c.perplexity), considered + mixed
+
+
+def format_chooser(budget: float, context: int, head_dim: int, lloyd_max: bool = False, k_rounding: str = "nearest",
+                   scale_dtype: str = "float16"):
+    """calibration.cached.run_calibration's `choose` for a budget of `budget` bits per element at `context`: a
+    budget no format meets is refused here, before minutes of fitting; the chooser returns the chosen format, its
+    quantizer and the metadata that records it (the format, the budget and every candidate scored)."""
+    budget_candidates(budget, context, head_dim, lloyd_max, k_rounding, scale_dtype)
+
+    def pick(model, tokenizer, fitted: dict, text: str) -> tuple[OscarConfig, dict, dict]:
+        chosen, considered = choose(model, tokenizer, fitted, text, budget, context, lloyd_max=lloyd_max,
+                                    k_rounding=k_rounding, scale_dtype=scale_dtype)
+        config = chosen.config
+        metadata = {"sink": config.sink, "recent": config.recent, "budget_bits": budget, "budget_context": context,
+                    "bits_per_element": chosen.bits, "budget_candidates": [c.summary() for c in considered]}
+        if config.mixed:
+            metadata.update({"k_bits_by_layer": list(config.k_bits_by_layer),
+                             "k_clip_by_layer": list(config.k_clip_by_layer),
+                             "k_layer_gains": [round(g, 4) for g in chosen.layer_gains]})
+        return config, chosen.quantizer, metadata
+
+    return pick

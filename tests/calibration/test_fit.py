@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from oscar_export.calibrate import (
+from oscar_export.calibration.fit import (
     CLIP_CANDIDATES,
     FEEDBACK_DAMPING,
     FEEDBACK_K_CLIP_FLOOR,
@@ -15,9 +15,9 @@ from oscar_export.calibrate import (
     query_covariance,
     value_weights,
 )
-from oscar_export.capture import capture_qkv, collect_qkv
+from oscar_export.calibration.capture import capture_qkv, collect_qkv
 from oscar_export.config import OscarConfig
-from oscar_export.rotations import (
+from oscar_export.calibration.rotations import (
     bit_reversal_order,
     bit_reversal_permutation,
     hadamard,

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .config import OscarInputError
+from ..config import OscarInputError
 
 
 def _sylvester(n: int) -> torch.Tensor:

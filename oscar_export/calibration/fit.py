@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from .capture import capture_qkv, collect_qkv
-from .codec import dequantize, fit_lloyd_max_levels, normalized_codes, quantize
-from .config import OscarConfig, OscarInputError
-from .progress import progress
+from ..codec import dequantize, fit_lloyd_max_levels, normalized_codes, quantize
+from ..config import OscarConfig, OscarInputError
+from ..progress import progress
 from .rotations import oscar_rotation
 
 # Down to 0.5: both models here chose the bottom of a range that stopped at 0.8.

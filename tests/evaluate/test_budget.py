@@ -7,14 +7,15 @@ import math
 import pytest
 import torch
 
-from oscar_export.calibrations import run_calibration
+from oscar_export.calibration.cached import run_calibration
 from oscar_export.cli import main
 from oscar_export.config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
 from oscar_export.config import config_for
 from oscar_export.models import BUNDLED_MODEL_DIR, load_model
-from oscar_export.rotation_files import load_rotations
-from oscar_export.tune import (
+from oscar_export.calibration.files import load_rotations
+from oscar_export.evaluate.budget import (
     PROBE_DEPTHS,
+    format_chooser,
     PROBE_PREFIX,
     PROBE_TOKENS,
     SHORTLIST,
@@ -87,9 +88,9 @@ def test_a_budget_files_scale_dtype_is_part_of_its_format():
 def budget_file(tmp_path_factory):
     model, tokenizer = load_model("bundled")
     rs, _ = run_calibration("bundled", OscarConfig(), BUNDLED_MODEL_DIR / "heldout.txt", 1024, 256, model=model,
-                            tokenizer=tokenizer, budget=(3.2, 1024))
+                            tokenizer=tokenizer, choose=format_chooser(3.2, 1024, 64))
     path = tmp_path_factory.mktemp("tune") / "budget.safetensors"
-    from oscar_export.rotation_files import save_rotations
+    from oscar_export.calibration.files import save_rotations
 
     save_rotations(path, rs)
     return path
@@ -185,7 +186,7 @@ def test_the_retrieval_probe_repeats_spans_of_its_text_far_from_where_they_first
 
 
 def test_wider_clips_spread_up_to_no_clipping():
-    from oscar_export.calibrate import CLIP_CANDIDATES
+    from oscar_export.calibration.fit import CLIP_CANDIDATES
 
     above = sorted(c for c in CLIP_CANDIDATES if c > 0.65)
     got = wider_clips(0.65)
@@ -228,7 +229,7 @@ def test_context_needs_a_budget(tmp_path, capsys):
 
 @pytest.mark.parametrize("budget", [2.0, 0.0])
 def test_an_unreachable_budget_is_refused_before_the_rotation_fit(monkeypatch, budget):
-    import oscar_export.calibrate as calibrate
+    import oscar_export.calibration.fit as calibrate
 
     def no_fit(*args, **kwargs):
         raise AssertionError("the rotations were fitted for a budget that cannot be met")
@@ -237,4 +238,4 @@ def test_an_unreachable_budget_is_refused_before_the_rotation_fit(monkeypatch, b
     model, tokenizer = load_model("bundled")  # head_dim 64: at least 2.5 bits per element in the body
     with pytest.raises(OscarInputError, match=f"--budget-bits {budget:g}"):
         run_calibration("bundled", OscarConfig(), BUNDLED_MODEL_DIR / "heldout.txt", 1024, 256, model=model,
-                        tokenizer=tokenizer, budget=(budget, 1024))
+                        tokenizer=tokenizer, choose=format_chooser(budget, 1024, 64))

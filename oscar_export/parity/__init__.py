@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .codec import unpack_codes
-from .config import OscarConfig, OscarInputError
-from .hf_cache import OscarCache, patch_model_for_kv_quant
-from .progress import progress
-from .sizes import MAX_STEPS
-from .targets import REFERENCE
+from ..codec import unpack_codes
+from ..config import OscarConfig, OscarInputError
+from ..hf_cache import OscarCache, patch_model_for_kv_quant
+from ..progress import progress
+from ..sizes import MAX_STEPS
+from ..targets import REFERENCE
 
 THRESHOLDS = {"codes_mismatch_fraction": 1e-3, "max_rel_error": 1e-3, "logits_max_rel_error": 1e-2}
 
@@ -163,8 +163,8 @@ def save_trace(path, directory, ids: list[int], steps: int) -> dict:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from .run import open_artifact, reference_trace
-    from .rotation_files import write_atomically
+    from ..run import open_artifact, reference_trace
+    from ..calibration.files import write_atomically
 
     directory, manifest, _ = open_artifact(directory)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -209,7 +209,7 @@ def _check_trace(path, tensors: dict, steps: int, manifest: dict) -> None:
     """Every value of a trace file within what this artifact can have given: a trace is data from elsewhere."""
     import numpy as np
 
-    from .export.artifact import manifest_cache_layout
+    from ..export.artifact import manifest_cache_layout
 
     vocab, context = manifest["model"]["vocab"], manifest["max_context"]
     prompt, tokens, logits = tensors["prompt"], tensors["tokens"], tensors["logits"]
@@ -384,7 +384,7 @@ def distribution_parity(module, float_module, target, directory, manifest: dict,
     reference (the eager graph with the artifact's weights) by distribution.compare; `float` is the weight format's
     own cost (source weights and float activations, the same cache), beside what the runtime adds."""
     from .distribution import Distributions, compare
-    from .export.artifact import eager_trace
+    from ..export.artifact import eager_trace
 
     prompt, forced = _forced_text(text_ids, manifest["eos_token_ids"], manifest["max_context"], tokens)
     kind = "rounded activations" if target.rounds_activations(manifest) else "float activations"
@@ -411,8 +411,8 @@ def answers_parity(module, target, directory, manifest: dict, runtimes: dict) ->
     answer must be right (name an expected word) and the runtime's tokens must be the reference's, or part from
     them at a near tie."""
     from .answers import ANSWER_TOKENS, is_right, questions_for
-    from .export.artifact import artifact_tokenizer, eager_trace, prompt_ids
-    from .run import chat_prompt
+    from ..export.artifact import artifact_tokenizer, eager_trace, prompt_ids
+    from ..run import chat_prompt
 
     model, questions = questions_for(manifest["model"]["source"])
     tokenizer = artifact_tokenizer(directory)
@@ -451,8 +451,8 @@ def run_artifact_parity(directory, ids: list[int], steps: int, against=None, tex
     with the float model's row and the weights against the source's); the known questions' answers."""
     import copy
 
-    from .export.artifact import eager_module, eager_trace
-    from .run import open_artifact
+    from ..export.artifact import eager_module, eager_trace
+    from ..run import open_artifact
 
     directory, manifest, target = open_artifact(directory)
     if against is not None:  # checked before the model loads
@@ -513,8 +513,8 @@ def artifact_parity_command(args, out) -> int:
     """`oscar-export parity --artifact DIR [--save-trace FILE | --against FILE]`; `out` is the CLI console."""
     import json
 
-    from .export.artifact import artifact_tokenizer, load_manifest
-    from .report import read_tokens
+    from ..export.artifact import artifact_tokenizer, load_manifest
+    from ..report import read_tokens
 
     if args.save_trace is not None and args.against is not None:
         raise OscarInputError("--save-trace and --against: expected one of them (record here, or check here)")
@@ -594,7 +594,7 @@ def print_artifact_parity(report: dict, artifact, out) -> None:
             out.print(f"distributions: runtime {name} not compared: {why}")
     if (a := report["answers"]) is not None:
         if not a["questions"]:
-            out.print("answers: no known questions for this model (oscar_export/answers.py)")
+            out.print("answers: no known questions for this model (oscar_export/parity/answers.py)")
         for q in a["questions"]:
             expected = " or ".join(repr(w) for w in q["expected"]) or "the reference's answer"
             out.print(f"answers to {q['question']!r} (expected: {expected}): {verdict(q['ok'])}")
