@@ -9,4 +9,5 @@ source "$(dirname "$0")/venv.sh"
 cores="$(.venv/bin/python -c 'import os; print(len(os.sched_getaffinity(0)))')"
 workers="${OSCAR_TEST_WORKERS:-$(( cores < 4 ? cores : 4 ))}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$(( cores / workers > 0 ? cores / workers : 1 ))}"
-exec .venv/bin/python -m pytest -n "$workers" --dist loadfile "$@"
+# --no-loadscope-reorder: files go out in collection order, the long ones first (tests/conftest.py).
+exec .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

@@ -24,3 +24,17 @@ def single_threaded():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# Files that take minutes (whole-model exports in their module fixtures), longest first. scripts/test.sh runs files
+# in parallel workers in collection order: these are handed out first, so none starts last and runs alone.
+LONG_FILES = ("targets/test_ios.py", "targets/test_android.py", "test_smollm2.py", "targets/test_laptop.py",
+              "runtime_ops/test_et_ops.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0].removeprefix("tests/")
+        return LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES)
+
+    items.sort(key=rank)  # stable: every file keeps its own order
