@@ -110,7 +110,7 @@ def main() -> None:
         if done.is_file() and set(methods) <= set(json.loads(done.read_text())["methods"]):
             result = json.loads(done.read_text())
         else:
-            result = evaluate(str(gguf), methods=methods, bits=None, config=config, contexts=CONTEXTS, text=text,
+            result = evaluate(str(gguf), methods=methods, config=config, contexts=CONTEXTS, text=text,
                               metrics=("perplexity", "needle"), per_head=per_head, model=model, tokenizer=tokenizer)
             args.out.mkdir(parents=True, exist_ok=True)
             done.write_text(json.dumps(result))

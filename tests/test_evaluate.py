@@ -336,7 +336,7 @@ SMALL = dict(contexts=(128, 192), chunk=32, ppl_tokens=192, attn_tokens=96, deco
 @pytest.fixture(scope="module")
 def small_result(tiny, text_file):
     cfg = OscarConfig(sink=16, recent=32)
-    return evaluate("tiny", ["fp16", "naive", "hadamard", "kivi", "oscar", "online"], bits=2, config=cfg,
+    return evaluate("tiny", ["fp16", "naive", "hadamard", "kivi", "oscar", "online"], config=cfg,
                     text=text_file, model=tiny, tokenizer=CharTokenizer(), **SMALL)
 
 
@@ -369,9 +369,9 @@ def test_rotation_file_is_used(tiny, text_file, tmp_path):
     rot = hadamard_rotations(2, 64)
     path = tmp_path / "rot.safetensors"
     save_rotations(path, RotationSet(k=rot, v=rot.clone(), metadata={"codebook": "uniform"}))
-    cfg = OscarConfig(sink=16, recent=32)
+    cfg = OscarConfig(k_bits=3, v_bits=3, sink=16, recent=32)
     small = {**SMALL, "contexts": (128,)}
-    result = evaluate("tiny", ["hadamard", "oscar"], bits=3, config=cfg, rotations=path, text=text_file,
+    result = evaluate("tiny", ["hadamard", "oscar"], config=cfg, rotations=path, text=text_file,
                       model=tiny, tokenizer=CharTokenizer(), **small)
     h, o = result["methods"]["hadamard"], result["methods"]["oscar"]
     assert result["bits"] == 3 and o["rotation"] == f"file {path}"
@@ -379,7 +379,7 @@ def test_rotation_file_is_used(tiny, text_file, tmp_path):
     # the file's clip ratios apply to oscar; match_clip gives them to the baselines as well
     save_rotations(path, RotationSet(k=rot, v=rot.clone(), metadata={"codebook": "uniform", "k_clip": 0.9, "v_clip": 0.85}))
     for match in (False, True):
-        result = evaluate("tiny", ["hadamard", "oscar"], bits=3, config=cfg, rotations=path, text=text_file,
+        result = evaluate("tiny", ["hadamard", "oscar"], config=cfg, rotations=path, text=text_file,
                           model=tiny, tokenizer=CharTokenizer(), metrics=("attention",), match_clip=match, **small)
         h, o = result["methods"]["hadamard"], result["methods"]["oscar"]
         assert (o["config"]["k_clip"], o["config"]["v_clip"]) == (0.9, 0.85)

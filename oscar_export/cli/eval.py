@@ -59,7 +59,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     result = evaluate(
         args.model,
         methods=_method_specs(args.methods),
-        bits=None,  # --bits/--k-bits/--v-bits are in the config
         config=config,
         rotations=args.rotations,
         contexts=_ints(args.contexts, "--contexts") if args.contexts else None,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -45,7 +44,6 @@ def _check_positive(name: str, value) -> None:
 def evaluate(
     model_name_or_path: str = "bundled",
     methods: Sequence[str] = DEFAULT_METHODS,
-    bits: int | None = 2,
     config: OscarConfig | None = None,
     rotations=None,
     contexts: Sequence[int] | None = None,
@@ -71,8 +69,8 @@ def evaluate(
 ) -> dict:
     """Perplexity, attention error and needle retrieval of each method's cache (see the module docstring).
 
-    methods: specs, see method_config (e.g. oscar, oscar-3, kivi-k3v2). bits: K and V bits of every
-    quantized method without its own (None: those of `config`). rotations: a rotation file (or
+    methods: specs, see method_config (e.g. oscar, oscar-3, kivi-k3v2). config: the cache format of every
+    quantized method without bits of its own (default OscarConfig()). rotations: a rotation file (or
     RotationSet) for `oscar`; None calibrates on the reserved first part of the text. contexts:
     perplexity context lengths: windows of the longest one, ppl_tokens of text in all (whole windows, at
     least one); a shorter context's perplexity is that of the windows' first tokens. Default: P/4, P/2
@@ -86,8 +84,6 @@ def evaluate(
     """
     started = time.perf_counter()
     config = config or OscarConfig()
-    if bits is not None:
-        config = replace(config, k_bits=bits, v_bits=bits, k_bits_by_layer=(), k_clip_by_layer=())
     methods = list(methods)
     contexts = _check_arguments(methods, config, metrics, contexts, needle_context, chunk=chunk, ppl_tokens=ppl_tokens,
                                 attn_tokens=attn_tokens, decode_tokens=decode_tokens, needle_tokens=needle_tokens,
