@@ -173,7 +173,7 @@ def calibration_positions(model) -> int:
     return min(int(positions), POSITIONS_LIMIT)
 
 
-def _tokens_from_text(tokenizer, text: str, tokens: int, name: str) -> torch.Tensor:
+def tokens_from_text(tokenizer, text: str, tokens: int, name: str) -> torch.Tensor:
     ids = tokenizer(text, verbose=False)["input_ids"]
     if len(ids) < tokens:
         raise OscarInputError(f"{name} has {len(ids)} tokens: expected at least {tokens} (calibration plus held-out "
@@ -202,7 +202,7 @@ def fit_rotations(
     0-511 put perplexity at 8K 25% over fp16; spread over 8K, 2%)."""
     if tokens <= 0 or heldout_tokens <= 0 or window <= 0:
         raise OscarInputError("tokens, heldout_tokens and window: expected positive token counts")
-    ids = _tokens_from_text(tokenizer, text, tokens + heldout_tokens, text_name)
+    ids = tokens_from_text(tokenizer, text, tokens + heldout_tokens, text_name)
     calib, heldout_ids = ids[:tokens], ids[tokens:]
     windows = [calib[i : i + window] for i in range(0, tokens, window)]
     layers = model.config.get_text_config().num_hidden_layers

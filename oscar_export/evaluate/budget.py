@@ -180,7 +180,7 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
     """The chosen candidate and every candidate considered (attention error for the one-width ones, perplexity
     for their shortlist and the mixed-K ones), from a rotation fit (fit.fit_rotations) and its
     calibration text."""
-    from ..calibration.fit import _tokens_from_text, clip_candidates, clip_errors, fit_quantizer
+    from ..calibration.fit import clip_candidates, clip_errors, fit_quantizer, tokens_from_text
 
     found = budget_candidates(budget, context, fitted["head_dim"], lloyd_max, k_rounding, scale_dtype)
     for c in found:
@@ -188,7 +188,7 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
         c.config = replace(c.config, k_clip=c.quantizer["k_clip"], v_clip=c.quantizer["v_clip"])
         c.attention_error = min(c.quantizer["k_clip_errors"].values()) + min(c.quantizer["v_clip_errors"].values())
     ranked = sorted(found, key=lambda c: (c.attention_error, c.bits))[:shortlist]
-    ids = _tokens_from_text(tokenizer, text, min(context, fitted["calibration_tokens"]), "calibration text")
+    ids = tokens_from_text(tokenizer, text, min(context, fitted["calibration_tokens"]), "calibration text")
     probe = retrieval_probe(ids)
 
     def score(c: Candidate) -> Candidate:
