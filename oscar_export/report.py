@@ -12,11 +12,10 @@ from .sizes import bits_per_element
 from .calibration.capture import collect_qkv
 from .codec import dequantize, quantize
 from .config import OscarConfig, OscarInputError
-from .models import BUNDLED_MODEL_DIR, load_model
+from .models import BUNDLED_TEXT, load_model
 from .progress import progress
 from .calibration.rotations import hadamard_rotations
 
-DEFAULT_TEXT = BUNDLED_MODEL_DIR / "heldout.txt"
 
 
 def _rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -24,7 +23,7 @@ def _rel_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def read_tokens(tokenizer, text_path: Path | None, tokens: int) -> torch.Tensor:
-    path = Path(text_path) if text_path else DEFAULT_TEXT
+    path = Path(text_path) if text_path else BUNDLED_TEXT
     if not path.is_file():
         raise OscarInputError(f"text file {str(path)!r} does not exist: expected a UTF-8 text file")
     ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), verbose=False)["input_ids"]

@@ -51,8 +51,8 @@ class EtCacheLayer(OscarDecoderLayer):
             CustomKVCache, QuantizedCacheType, QuantizedKVCache)
         from executorch.examples.models.llama.source_transformation.sdpa import QuantizedSDPA, SDPACustom
 
-        if abs(self.attrs[-1] - self.head_dim ** -0.5) > 1e-6 * self.head_dim ** -0.5:
-            raise OscarInputError(f"attention scaling {self.attrs[-1]}: ExecuTorch's custom_sdpa scales by "
+        if abs(self.scaling - self.head_dim ** -0.5) > 1e-6 * self.head_dim ** -0.5:
+            raise OscarInputError(f"attention scaling {self.scaling}: ExecuTorch's custom_sdpa scales by "
                                   f"head_dim ** -0.5 = {self.head_dim ** -0.5}")
         kv_heads, dim = self.k_proj.out_features // self.head_dim, self.q_proj.out_features
         if kind == "fp32":

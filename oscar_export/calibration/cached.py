@@ -30,9 +30,9 @@ MODEL_FILE_SUFFIXES = (".json", ".safetensors", ".bin", ".gguf", ".model", ".txt
 
 
 def default_text() -> Path:
-    from ..report import DEFAULT_TEXT
+    from ..models import BUNDLED_TEXT
 
-    return DEFAULT_TEXT
+    return BUNDLED_TEXT
 
 
 def read_text(path) -> tuple[str, str]:

@@ -72,7 +72,8 @@ class OscarDecoderLayer(nn.Module):
         self.register_buffer("v_levels", v_levels.clone())
         # K's error-feedback weights [kv_heads, D, D]; empty for nearest rounding (the op reads it so).
         self.register_buffer("k_feedback", torch.zeros(0) if k_feedback is None else k_feedback.clone())
-        self.attrs = tuple(op_attributes(config, attn.scaling).values())
+        self.scaling = float(attn.scaling)
+        self.attrs = tuple(op_attributes(config, self.scaling).values())
 
     def forward(self, h, cos, sin, length, cache, functional: bool):
         t = h.shape[1]

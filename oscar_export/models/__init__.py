@@ -13,6 +13,8 @@ from pathlib import Path
 from ..config import OscarInputError
 
 BUNDLED_MODEL_DIR = Path(__file__).parent.parent / "assets" / "bundled_model"
+# The text the bundled model was not trained on: what report, eval and calibration read when given none.
+BUNDLED_TEXT = BUNDLED_MODEL_DIR / "heldout.txt"
 
 # Architecture fields of public checkpoints (from their published config.json files).
 PRESETS: dict[str, dict] = {
