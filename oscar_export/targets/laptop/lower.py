@@ -78,11 +78,21 @@ def export_onnx(module: OscarCausalLM, directory: Path, max_context: int, max_ch
             ir.passes.common.RemoveUnusedNodesPass()(model)
     else:
         _artifact_weights(model, weight_block)
+    _strip_trace_metadata(model)
     model_path = directory / MODEL_FILE
     ir.save(model, model_path, external_data=DATA_FILE)
     fallback = make_fallback(onnx.load(model_path, load_external_data=False))
     onnx.save(fallback, directory / FALLBACK_FILE)  # initializers keep pointing at model.onnx.data
     return [model_path, directory / DATA_FILE, directory / FALLBACK_FILE]
+
+
+def _strip_trace_metadata(model: ir.Model) -> None:
+    """The exporter records on every node its Python stack trace and module path, which name the exporting
+    machine's source files: an artifact carries neither, and the same export from another checkout is the same
+    bytes."""
+    for graph in (model.graph, *model.functions.values()):
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            node.metadata_props.clear()
 
 
 def _optimize(model: ir.Model) -> None:
