@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..cache import OscarKVCache, buffer_layout
+from ..codec import uniform_levels
 from ..sizes import CACHE_NAMES, SCALE_BUFFER_DTYPES, capacities
 from ..config import OscarConfig, OscarInputError
 
@@ -109,7 +110,7 @@ def wrap_cache(cache, k_levels, v_levels, k_feedback, length, config: OscarConfi
     levels = {}
     if config.codebook == "uniform":
         for kind, given_levels, bits in (("k", k_levels, config.k_bits), ("v", v_levels, config.v_bits)):
-            if not torch.equal(given_levels.float(), torch.arange(2**bits, dtype=torch.float32)):
+            if not torch.equal(given_levels.float(), uniform_levels(bits)):
                 raise OscarInputError(f"{kind}_levels are {given_levels.tolist()}: expected the uniform levels "
                                       f"0..{2**bits - 1} with codebook='uniform'")
     else:

@@ -179,8 +179,8 @@ def attention_rows(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes,
     max(S, n0-W) + j for j < T; only the first max(S, n1-W) - max(S, n0-W) are real, the rest
     are computed from clamped indices and ignored by apply_rows.
     """
-    config = attribute_config(dict(zip(ATTRIBUTES[-3:], (codebook, k_rounding, scale_dtype))) | dict(
-        k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, sink=sink, recent=recent, k_clip=k_clip, v_clip=v_clip))
+    config = attribute_config(dict(zip(ATTRIBUTES, (k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip,
+                                                    scaling, codebook, k_rounding, scale_dtype), strict=True)))
     if config.scale_dtype != "float16":
         raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected 'float16', the scales the Core ML rows "
                               "store")
