@@ -1,6 +1,6 @@
 """What the benchmark scripts share: the machine's description for result files, progress lines, and the quality
 harness of the SmolLM2 studies (the validation/test split of the bundled text, 8K perplexity windows and paired
-needle retrieval). Scripts in this folder import it by name (a script's folder is the first entry of its path)."""
+needle retrieval). Scripts import it as `benchmarks.common` (they run as modules from the checkout)."""
 
 from __future__ import annotations
 

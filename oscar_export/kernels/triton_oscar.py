@@ -1,7 +1,7 @@
 """Triton kernels for the OSCAR packed KV cache: quantize + pack, and split-K decode attention.
 
 Laid out like Triton's fused-attention tutorial: the kernels, the host wrappers that launch
-them, and a plain-PyTorch reference for each, together. `benchmarks/gpu.py` times them.
+them, and a plain-PyTorch reference for each, together. `benchmarks/kernels/gpu.py` times them.
 
 * `quantize_pack(x, bits, cluster_dim, clip, levels)` reproduces `oscar_export.codec.quantize`
   bit for bit (codes, scale, zero): fp32 arithmetic in the order docs/format.md section 3

@@ -484,14 +484,14 @@ def test_feedback_rounding_runs_in_onnx_runtime(tmp_path, prompt):
 
 @needs_native
 def test_parity_fails_a_program_whose_k_rotation_is_wrong_in_one_layer(tmp_path):
-    """benchmarks/doctored_parity.py: the program holds the identity as layer 1's K rotation while the artifact's
+    """benchmarks/parity/doctored_parity.py: the program holds the identity as layer 1's K rotation while the artifact's
     rotations file, which the reference reads, is the calibrated one. The codes and the next-token distributions
     both see it; the weights and the answers do not."""
     result = tmp_path / "doctored.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "doctored_parity.py"), "--target", "laptop",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.parity.doctored_parity", "--target", "laptop",
                            "--model", "bundled", "--context", "400", "--doctor", "rotation", "--layer", "1",
                            "--out", str(tmp_path / "artifact"), "--export-flags", "--sink 16 --recent 32",
-                           "--parity", "--kl-tokens 368 --prompt-tokens 100 --steps 8", "--json", str(result)],
+                           "--parity", "--kl-tokens 368 --prompt-tokens 100 --steps 8", "--json", str(result)], cwd=ROOT,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(result.read_text())["parity"]

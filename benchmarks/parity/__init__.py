@@ -1,0 +1,1 @@
+"""Whether `parity --artifact` can fail, and what activation rounding costs an artifact."""
