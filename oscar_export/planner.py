@@ -81,6 +81,24 @@ def _largest_context(budget: int, kv_bytes) -> int:
     return lo
 
 
+def cache_budget_bits(shape: ModelShape, device_memory: int, context: int, reserve: int | None = None,
+                      k_feedback: bool = False, weight_bits: int = 4, embedding_bits: int = 16,
+                      weight_group: int = DEFAULT_WEIGHT_GROUP, weight_zero_points: bool = True,
+                      head_bits: int | None = None) -> float:
+    """Bits per K/V element a cache of `context` tokens may take on a device of `device_memory` bytes once the
+    weights (plan's weight arguments) and the reserve are counted: a format within it is one plan(...) fits.
+    Negative when the weights and reserve alone exceed the device."""
+    if not isinstance(context, int) or context <= 0:
+        raise OscarInputError(f"context={context!r}: expected a positive token count")
+    reserve = int(device_memory * DEFAULT_RESERVE_FRACTION) if reserve is None else reserve
+    weights = weight_bytes(shape, weight_bits, embedding_bits, weight_group, weight_zero_points, head_bits, k_feedback)
+    return _bits_per_element(device_memory - reserve - weights["total"], shape, context)
+
+
+def _bits_per_element(cache_bytes_: int, shape: ModelShape, context: int) -> float:
+    return cache_bytes_ * 8 / (context * shape.layers * shape.kv_heads * shape.head_dim * 2)
+
+
 def plan(
     shape: ModelShape,
     config: OscarConfig,
@@ -144,6 +162,7 @@ def plan(
         "kv_bytes": kv,
         "kv_bytes_fp16": fp16(context),
         "bits_per_element": bits_per_element(config, shape.head_dim, context),
+        "cache_budget_bits": _bits_per_element(budget, shape, context),
         "total_bytes": weights["total"] + kv + reserve,
         "max_context": _largest_context(budget, oscar),
         "max_context_fp16": _largest_context(budget, fp16),

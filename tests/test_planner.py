@@ -5,7 +5,7 @@ import pytest
 
 from oscar_export import OscarConfig, OscarInputError, OscarKVCache
 from oscar_export.models import PRESETS, ModelShape, model_shape
-from oscar_export.planner import kv_bytes_per_token, parse_bytes, plan, weight_bytes
+from oscar_export.planner import cache_budget_bits, kv_bytes_per_token, parse_bytes, plan, weight_bytes
 
 GiB = 2**30
 
@@ -107,3 +107,26 @@ def test_feedback_rounding_counts_the_graph_buffers():
     graph_bytes = sum(layer.k_feedback.nbytes + layer.k_rot.nbytes for layer in layers)
     nearest = plan(shape, OscarConfig(), 8 * GiB, 1024)["weights_breakdown"]["rotations"]
     assert plan(shape, cfg, 8 * GiB, 1024)["weights_breakdown"]["rotations"] == graph_bytes == 2 * nearest
+
+
+@pytest.mark.parametrize("preset, memory, context", [("llama-3-8b", 8 * GiB, 32768), ("bundled", GiB // 64, 2048),
+                                                     ("qwen2.5-7b", 8 * GiB, 131072)])
+def test_the_cache_budget_is_the_bits_per_element_at_which_the_plan_stops_fitting(preset, memory, context):
+    """A format at the budget fits, one a byte per layer and head past it does not: counted with the planner's
+    own weights and reserve, and with the cache bytes cache_bytes() counts (bits per element times elements)."""
+    shape = model_shape(preset)
+    budget = cache_budget_bits(shape, memory, context, weight_group=64, weight_zero_points=False)
+    p = plan(shape, OscarConfig(), memory, context, weight_group=64, weight_zero_points=False)
+    assert p["cache_budget_bits"] == pytest.approx(budget)
+    elements = context * shape.layers * shape.kv_heads * shape.head_dim * 2
+    assert budget * elements / 8 == pytest.approx(memory - p["reserve_bytes"] - p["weights_bytes"])
+    assert p["fits"] == (p["bits_per_element"] <= budget)
+    # Windows of fp16 tokens move the cache across the budget token by token: the last that fits is within it.
+    windows = [OscarConfig(sink=0, recent=r) for r in range(0, context + 1, max(context // 64, 1))]
+    for config in windows:
+        at = plan(shape, config, memory, context, weight_group=64, weight_zero_points=False)
+        assert at["fits"] == (at["bits_per_element"] <= budget + 1e-12), config
+
+
+def test_a_device_the_weights_fill_leaves_a_negative_budget():
+    assert cache_budget_bits(model_shape("llama-3-8b"), 4 * GiB, 4096) < 0

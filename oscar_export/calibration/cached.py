@@ -22,7 +22,7 @@ from ..config import OscarConfig, OscarInputError
 # Calibration text and token counts of `--rotations calibrate`; `calibrate` the command takes the same.
 DEFAULT_TOKENS = 16384
 DEFAULT_HELDOUT_TOKENS = 512
-SHIPPED_FILE = "calibration.safetensors"  # beside the bundled model's weights
+SHIPPED_FILES = "calibration*.safetensors"  # beside the bundled model's weights, one per shipped format
 # How K is rounded where a command calibrates and no flag says: feedback weights come from the calibration itself
 # and, on SmolLM2, buy about what one more K bit does (docs/calibration.md).
 CALIBRATED_K_ROUNDING = "feedback"
@@ -64,12 +64,14 @@ def model_digest(model_name: str) -> str:
     directory = model_dir(model_name)
     digest = hashlib.sha256()
     for path in sorted(p for p in directory.iterdir() if p.is_file() and p.suffix in MODEL_FILE_SUFFIXES
-                       and p.name != SHIPPED_FILE):
+                       and not p.match(SHIPPED_FILES)):
         digest.update(f"{path.name}\0{sha256(path)}\0".encode())
     return digest.hexdigest()
 
 
-def cache_key(model_name: str, text_sha256: str, tokens: int, heldout_tokens: int, config: OscarConfig) -> str:
+def cache_key(model_name: str, text_sha256: str, tokens: int, heldout_tokens: int, config: OscarConfig,
+              choice: dict | None = None) -> str:
+    """choice: what a format chooser's result depends on (its budget, context and search), beside the base format."""
     from .fit import CLIP_CANDIDATES, FEEDBACK_K_CLIP_FLOOR
 
     fields = {"model": model_digest(model_name), "text": text_sha256, "tokens": tokens, "heldout": heldout_tokens,
@@ -79,6 +81,7 @@ def cache_key(model_name: str, text_sha256: str, tokens: int, heldout_tokens: in
     if config.k_rounding != "nearest":  # the clip search rounds as the cache will; nearest keeps the older keys
         fields["k_rounding"] = config.k_rounding
         fields["k_clip_floor"] = FEEDBACK_K_CLIP_FLOOR
+    fields.update({f"choice_{key}": value for key, value in (choice or {}).items()})
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
@@ -148,18 +151,20 @@ def run_calibration(model_name: str, config: OscarConfig, text_path, tokens: int
 
 
 def calibrated_rotations(model_name: str, config: OscarConfig, text_path=None, tokens: int = DEFAULT_TOKENS,
-                         heldout_tokens: int = DEFAULT_HELDOUT_TOKENS, store: Path | None = None) -> tuple[Path, bool]:
+                         heldout_tokens: int = DEFAULT_HELDOUT_TOKENS, store: Path | None = None, choose=None,
+                         choice: dict | None = None) -> tuple[Path, bool]:
     """A rotation file calibrated for this model, text and format: (path, reused). Calibrates on a miss and
-    stores the result in the cache directory, or at `store`."""
+    stores the result in the cache directory, or at `store`. choose: a format chooser (run_calibration), with
+    `choice` the fields its result depends on, which join the key."""
     from ..models import BUNDLED_MODEL_DIR
     from .files import load_rotations, save_rotations
 
     text_path = Path(text_path) if text_path is not None else default_text()
     _, text_sha256 = read_text(text_path)
-    key = cache_key(model_name, text_sha256, tokens, heldout_tokens, config)
+    key = cache_key(model_name, text_sha256, tokens, heldout_tokens, config, choice)
     candidates = [store or cache_dir() / f"{key[:32]}.safetensors"]
     if model_name == "bundled":
-        candidates.insert(0, BUNDLED_MODEL_DIR / SHIPPED_FILE)
+        candidates[:0] = sorted(BUNDLED_MODEL_DIR.glob(SHIPPED_FILES))
     for path in candidates:
         try:
             if path.is_file() and load_rotations(path).metadata.get("cache_key") == key:
@@ -172,25 +177,7 @@ def calibrated_rotations(model_name: str, config: OscarConfig, text_path=None, t
     except OSError as err:
         raise OscarInputError(f"calibration cache {str(path.parent)!r}: cannot create ({err.strerror or err}): "
                               f"expected a writable directory (set OSCAR_EXPORT_CACHE)") from None
-    rotation_set, _ = run_calibration(model_name, config, text_path, tokens, heldout_tokens)
+    rotation_set, _ = run_calibration(model_name, config, text_path, tokens, heldout_tokens, choose=choose)
     rotation_set.metadata["cache_key"] = key
     save_rotations(path, rotation_set)
     return path, False
-
-
-def write_shipped_calibration() -> Path:
-    """Calibrate the bundled model for the default export (2-bit, its default group) into the file beside its
-    weights, keyed like the cache, so the default export reuses it. The training script calls this."""
-    from ..config import default_cluster_dim
-    from ..models import BUNDLED_MODEL_DIR, model_shape
-
-    path = BUNDLED_MODEL_DIR / SHIPPED_FILE
-    path.unlink(missing_ok=True)  # recalibrate even if the old file still matches
-    # The format the default export calibrates for (cli.flags.calibration_config).
-    config = OscarConfig(cluster_dim=default_cluster_dim(model_shape("bundled").head_dim),
-                         k_rounding=CALIBRATED_K_ROUNDING)
-    return calibrated_rotations("bundled", config, store=path)[0]
-
-
-if __name__ == "__main__":
-    print(f"wrote {write_shipped_calibration()}")

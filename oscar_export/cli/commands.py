@@ -15,7 +15,7 @@ from rich.table import Table
 from .. import __version__
 from ..config import OscarConfig, OscarInputError
 from ..targets import registry
-from .flags import calibration_config, config_from_args
+from .flags import cache_flag_values, calibration_config, config_from_args
 
 # Runtime name -> Python distribution that provides it.
 RUNTIMES = {
@@ -57,14 +57,23 @@ def _print_plan(p: dict) -> None:
     table.add_row("runtime/OS reserve", _gib(p["reserve_bytes"]), _gib(p["reserve_bytes"]))
     table.add_row("largest context that fits", f"{p['max_context']:,}", f"{p['max_context_fp16']:,}")
     table.add_row("verdict", "fits" if p["fits"] else "does NOT fit", "fits" if p["fits_fp16"] else "does NOT fit")
+    table.add_row("cache budget the device leaves", f"{p['cache_budget_bits']:.3f} bits per element", "")
+    choice = p.get("format_choice")
+    if choice and "error" in choice:
+        table.add_row(f"--target {choice['target']} without format flags", "no format fits", "")
+    elif choice:
+        table.add_row(f"--target {choice['target']} without format flags",
+                      f"the best format within {choice['budget_bits']:g} bits, {choice['scale_dtype']} scales", "")
     out.print(table)
+    if choice and "error" in choice:
+        out.print(f"[yellow]--target {choice['target']}:[/yellow] {choice['error']}")
     for warning in p["warnings"]:
         out.print(f"[yellow]warning:[/yellow] {warning}")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from ..models import model_shape
-    from ..planner import parse_bytes, plan
+    from ..planner import DEFAULT_WEIGHT_GROUP, parse_bytes, plan
 
     memory = parse_bytes(args.device_memory, "--device-memory")
     reserve = parse_bytes(args.reserve, "--reserve") if args.reserve else None
@@ -73,21 +82,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
         from ..calibration.files import load_rotations
 
         metadata = load_rotations(args.rotations).metadata
-    result = plan(
-        model_shape(args.model),
-        config_from_args(args, metadata),
-        memory,
-        args.context,
-        weight_bits=args.weight_bits,
-        embedding_bits=args.embedding_bits,
-        reserve=reserve,
-        weight_group=args.weight_group,
-    )
+    weight_flags = {"weight_bits": args.weight_bits, "embedding_bits": args.embedding_bits,
+                    "weight_group": args.weight_group}
+    if args.target is None:
+        weights = {"weight_bits": 4, "embedding_bits": 16, "weight_group": DEFAULT_WEIGHT_GROUP}
+        weights.update({key: value for key, value in weight_flags.items() if value is not None})
+    else:
+        given = [f"--{key.replace('_', '-')}" for key, value in weight_flags.items() if value is not None]
+        if given:
+            raise OscarInputError(f"{', '.join(given)} with --target {args.target}: expected one of them: the "
+                                  "target stores its weights its own way")
+        target = registry()[args.target]
+        weights = target.weight_plan(target.options, False)
+    shape = model_shape(args.model)
+    result = plan(shape, config_from_args(args, metadata), memory, args.context, reserve=reserve, **weights)
+    if args.target is not None and metadata is None and all(v is None for v in cache_flag_values(args).values()):
+        result["format_choice"] = _format_choice(shape, memory, args.context, reserve, weights, target)
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         _print_plan(result)
     return 0
+
+
+def _format_choice(shape, memory: int, context: int, reserve, weights: dict, target) -> dict:
+    """What `--target T` without format flags searches within for this device and context (the export calibrates the
+    format inside it), or why nothing fits."""
+    from ..calibration.cached import CALIBRATED_K_ROUNDING
+    from ..evaluate.budget import device_budget, device_scale_dtype
+
+    scale_dtype = device_scale_dtype(target.scale_dtypes)
+    try:
+        choice = device_budget(shape, memory, context, weights, scale_dtype, CALIBRATED_K_ROUNDING, reserve=reserve,
+                               min_window=target.min_window)
+    except OscarInputError as err:
+        return {"target": target.name, "error": str(err)}
+    return {"target": target.name, "scale_dtype": scale_dtype, **choice}
 
 
 def _installed(dist: str) -> str | None:

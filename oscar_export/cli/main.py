@@ -31,10 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "or a .gguf file")
     p.add_argument("--device-memory", default="8GB", help="device memory, e.g. 8GB (binary units)")
     p.add_argument("--context", type=positive_int, default=4096, help="tokens of context (default %(default)s)")
-    p.add_argument("--weight-bits", type=int, choices=(4, 8, 16), default=4, help="bits of the linear weights")
-    p.add_argument("--embedding-bits", type=int, choices=(4, 8, 16), default=16, help="bits of the embedding table")
-    p.add_argument("--weight-group", type=positive_int, default=32,
-                   help="input channels per weight scale/zero (default %(default)s)")
+    p.add_argument("--target", choices=names(),
+                   help="plan the weights as this target stores them; without format flags, also the bit budget "
+                        "its export chooses the cache format within")
+    p.add_argument("--weight-bits", type=int, choices=(4, 8, 16), help="bits of the linear weights (default 4)")
+    p.add_argument("--embedding-bits", type=int, choices=(4, 8, 16), help="bits of the embedding table (default 16)")
+    p.add_argument("--weight-group", type=positive_int,
+                   help="input channels per weight scale/zero (default 32)")
     p.add_argument("--reserve", help="memory kept for OS, runtime and activations (default 20%% of device memory)")
     p.add_argument("--rotations", type=Path,
                    help="a rotation file whose cache format (one chosen by calibrate --budget-bits) the plan uses "

@@ -8,15 +8,15 @@ import sys
 from pathlib import Path
 
 from ..bench import RUNTIMES, BenchRequest, kinds, measurer as bench_module
-from ..config import OscarInputError
+from ..config import OscarConfig, OscarInputError
 from ..targets import get, names, registry
-from .flags import (Parser, add_cache_flags, config_from_args, context_tokens, contexts, export_parser,
-                    export_rotations, greedy_steps, positive_int, thread_count)
+from .flags import (Parser, add_cache_flags, cache_flag_values, config_from_args, context_tokens, contexts,
+                    export_parser, export_rotations, greedy_steps, positive_int, thread_count)
 
 
 def export_target(argv: list[str]) -> int:
     """Run `oscar-export --target TARGET ...`; argv is the whole command line."""
-    from ..export.artifact import default_context, rotation_metadata
+    from ..export.artifact import check_export_args, default_context, rotation_metadata
     from ..export.pipeline import export_artifact
     from ..models import model_shape
 
@@ -29,12 +29,20 @@ def export_target(argv: list[str]) -> int:
         if missing:
             raise OscarInputError(f"this target cannot export here: {missing}")
         options = target.export_options(args)
-        # Before a calibration that may take minutes: a format the target cannot run is refused at once.
-        target.check(options, config_from_args(args), default_context(model_shape(args.model), args.context))
-        rotations, calibration = export_rotations(args)
+        # Before a calibration that may take minutes: --out, --device-memory and the rotations are checked at once.
+        memory = check_export_args(args.out, args.rotations, args.device_memory)
+        shape = model_shape(args.model)
+        choice = None
+        if device_chooses(args):
+            rotations, calibration, choice = device_rotations(args, target, options, shape, memory)
+        else:
+            # A format the target cannot run is refused before calibrating too.
+            target.check(options, config_from_args(args), default_context(shape, args.context))
+            rotations, calibration = export_rotations(args)
         manifest = export_artifact(target, args.model, args.out, rotations=rotations, max_context=args.context,
                                    float_weights=args.float_weights, device_memory=args.device_memory,
-                                   options=options, config=config_from_args(args, rotation_metadata(rotations)))
+                                   options=options, config=config_from_args(args, rotation_metadata(rotations)),
+                                   format_choice=choice)
     except (OscarInputError, RuntimeError) as err:  # RuntimeError: a native library could not be built
         print(f"oscar-export --target {target.name}: error: {err}".splitlines()[0], file=sys.stderr)
         return 2
@@ -46,8 +54,34 @@ def export_target(argv: list[str]) -> int:
             f"context {manifest['max_context']}, rotations {calibration}")
     if "cache" in manifest:
         line += f", cache {manifest['cache']['bits_per_element_at_max_context']:.3f} bits per K/V element"
+    if choice is not None:
+        config = OscarConfig.from_dict(manifest["config"])
+        line += (f"; cache format chosen for {args.device_memory} at {manifest['max_context']} tokens: "
+                 f"{config.describe()}, group {config.cluster_dim}, sink {config.sink}, recent {config.recent}, "
+                 f"{choice['bits_per_element']:.3f} bits per element within a budget of {choice['budget_bits']:g} "
+                 f"(the device leaves {choice['available_bits']:.2f} bits per element; without format flags an "
+                 f"export spends at most {choice['ceiling_bits']:g})")
     print(line)
     return 0
+
+
+def device_chooses(args: argparse.Namespace) -> bool:
+    """The export chooses the cache format for --device-memory and --context: calibrated rotations and no flag
+    that names a part of the format."""
+    return args.rotations == "calibrate" and all(v is None for v in cache_flag_values(args).values())
+
+
+def device_rotations(args: argparse.Namespace, target, options, shape, memory: int) -> tuple:
+    """(rotation file, where it came from, why its format): evaluate.budget.device_calibration for the device
+    (`memory` bytes) and context the export is for."""
+    from ..evaluate.budget import device_calibration
+    from ..export.artifact import default_context
+
+    path, reused, choice = device_calibration(
+        args.model, shape, memory, default_context(shape, args.context),
+        target.weight_plan(options, args.float_weights), target.scale_dtypes, target.min_window,
+        args.calibration_text, args.calibration_tokens)
+    return path, "calibrated for the device (reused)" if reused else "calibrated for the device", choice
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from ..planner import cache_budget_bits
 from ..sizes import bits_per_element
 from ..config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
 
@@ -37,6 +38,13 @@ CHUNK = 64  # decode-like chunks after the first, as eval runs them
 WIDER_CLIPS = 3  # K clips scored above the searched one, evenly spread up to 1.0
 # The retrieval probe: as evaluate's needles (24 tokens, scored after 8, at five depths).
 PROBE_TOKENS, PROBE_PREFIX, PROBE_DEPTHS = 24, 8, (0.1, 0.3, 0.5, 0.7, 0.9)
+# What the search does, in a calibration cache key: a change to it is a new key.
+SEARCH = "v1: one-width shortlist by attention error, perplexity with a retrieval probe, wider K clips, mixed K"
+# The most bits per element an export without format flags spends on the cache: at 3.0 with fp8 scales the search's
+# format met the quality goals on SmolLM2 (docs/calibration.md); a device with more room keeps its memory.
+DEFAULT_CEILING_BITS = 3.0
+# Scales the device-chosen format stores, the first a target takes: fp8 frees bits for windows and wider K.
+PREFERRED_SCALE_DTYPES = ("float8_e4m3fn", "float16")
 
 
 @dataclass
@@ -58,25 +66,18 @@ class Candidate:
 
 
 def candidates(budget: float, context: int, head_dim: int, codebook: str = "uniform", k_rounding: str = "nearest",
-               scale_dtype: str = "float16") -> list[Candidate]:
-    """Every format within `budget` bits per element at `context` (the largest windows per bits and group)."""
-    found, cheapest = [], None
-    for k_bits in SUPPORTED_BITS:
-        for v_bits in SUPPORTED_BITS:
-            for cluster_dim in SUPPORTED_CLUSTER_DIMS:
-                if head_dim % cluster_dim:
-                    continue
-                for sink, recent in WINDOWS:
-                    config = OscarConfig(k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, sink=sink,
-                                         recent=recent, codebook=codebook, k_rounding=k_rounding,
-                                         scale_dtype=scale_dtype)
-                    candidate = Candidate(config, bits_per_element(config, head_dim, context))
-                    if cheapest is None or candidate.bits < cheapest.bits:
-                        cheapest = candidate
-                    if candidate.bits <= budget:
-                        found.append(candidate)
-                        break
+               scale_dtype: str = "float16", min_window: int = 0) -> list[Candidate]:
+    """Every format within `budget` bits per element at `context` (the largest windows per bits and group, each
+    window at least `min_window` tokens)."""
+    found = []
+    for config in _formats(codebook, k_rounding, scale_dtype, head_dim):
+        for sink, recent in windows(min_window):
+            candidate = _windowed(config, sink, recent, head_dim, context)
+            if candidate.bits <= budget:
+                found.append(candidate)
+                break
     if not found:
+        cheapest = cheapest_format(context, head_dim, codebook, k_rounding, scale_dtype, min_window)
         c = cheapest.config
         raise OscarInputError(f"--budget-bits {budget:g}: no cache format fits at context {context}: expected at "
                               f"least {cheapest.bits:.3f} bits per element ({c.describe()}, group {c.cluster_dim}, "
@@ -84,13 +85,42 @@ def candidates(budget: float, context: int, head_dim: int, codebook: str = "unif
     return found
 
 
+def _formats(codebook: str, k_rounding: str, scale_dtype: str, head_dim: int):
+    """Each K and V width and group the search tries, with no windows yet."""
+    for k_bits in SUPPORTED_BITS:
+        for v_bits in SUPPORTED_BITS:
+            for cluster_dim in SUPPORTED_CLUSTER_DIMS:
+                if head_dim % cluster_dim == 0:
+                    yield OscarConfig(k_bits=k_bits, v_bits=v_bits, cluster_dim=cluster_dim, sink=0, recent=0,
+                                      codebook=codebook, k_rounding=k_rounding, scale_dtype=scale_dtype)
+
+
+def cheapest_format(context: int, head_dim: int, codebook: str = "uniform", k_rounding: str = "nearest",
+                    scale_dtype: str = "float16", min_window: int = 0) -> Candidate:
+    """The format the search could choose that stores the fewest bits per element at `context`."""
+    return min((_windowed(c, s, r, head_dim, context) for c in _formats(codebook, k_rounding, scale_dtype, head_dim)
+                for s, r in windows(min_window)), key=lambda c: c.bits)
+
+
+def windows(min_window: int = 0) -> tuple[tuple[int, int], ...]:
+    """WINDOWS whose sink and recent windows both hold at least `min_window` tokens (a target's floor)."""
+    return tuple(w for w in WINDOWS if min(w) >= min_window)
+
+
+def _windowed(config: OscarConfig, sink: int, recent: int, head_dim: int, context: int) -> Candidate:
+    config = replace(config, sink=sink, recent=recent)
+    return Candidate(config, bits_per_element(config, head_dim, context))
+
+
 def budget_candidates(budget: float, context: int, head_dim: int, lloyd_max: bool = False,
-                      k_rounding: str = "nearest", scale_dtype: str = "float16") -> list[Candidate]:
+                      k_rounding: str = "nearest", scale_dtype: str = "float16", min_window: int = 0
+                      ) -> list[Candidate]:
     """The one-width formats choose() searches under `budget`, or the error that says none fits. Arithmetic only,
     so run_calibration asks before its rotation fit rather than after it."""
     if not budget > 0:
         raise OscarInputError(f"--budget-bits {budget}: expected a positive number of bits per element")
-    return candidates(budget, context, head_dim, "lloyd-max" if lloyd_max else "uniform", k_rounding, scale_dtype)
+    return candidates(budget, context, head_dim, "lloyd-max" if lloyd_max else "uniform", k_rounding, scale_dtype,
+                      min_window)
 
 
 def retrieval_probe(ids):
@@ -106,8 +136,8 @@ def retrieval_probe(ids):
 
 
 def mixed_candidates(base: OscarConfig, wider_clip: float, order: list[int], layers: int, budget: float,
-                     context: int, head_dim: int, shortlist: int = SHORTLIST, wider_bits: int | None = None
-                     ) -> list[Candidate]:
+                     context: int, head_dim: int, shortlist: int = SHORTLIST, wider_bits: int | None = None,
+                     min_window: int = 0) -> list[Candidate]:
     """`base` with K `wider_bits` wide (default one bit wider; at `wider_clip`) in the first n of the layers
     `order` lists (the ones it helps, most helped first), for n from 1 to all but one of `layers` (all is a
     uniform format), each at the largest windows that fit `budget`: the `shortlist` of them evenly spread over
@@ -118,7 +148,7 @@ def mixed_candidates(base: OscarConfig, wider_clip: float, order: list[int], lay
         wide = set(order[:n])
         widths = tuple(wider_bits if i in wide else base.k_bits for i in range(layers))
         clips = tuple(wider_clip if i in wide else base.k_clip for i in range(layers))
-        for sink, recent in WINDOWS:
+        for sink, recent in windows(min_window):
             config = replace(base, sink=sink, recent=recent, k_bits_by_layer=widths, k_clip_by_layer=clips)
             bits = bits_per_element(config, head_dim, context)
             if bits <= budget:
@@ -175,14 +205,14 @@ def wider_clips(clip: float, count: int = WIDER_CLIPS) -> list[float]:
 
 
 def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: int, lloyd_max: bool = False,
-           shortlist: int = SHORTLIST, k_rounding: str = "nearest", scale_dtype: str = "float16"
-           ) -> tuple[Candidate, list[Candidate]]:
+           shortlist: int = SHORTLIST, k_rounding: str = "nearest", scale_dtype: str = "float16",
+           min_window: int = 0) -> tuple[Candidate, list[Candidate]]:
     """The chosen candidate and every candidate considered (attention error for the one-width ones, perplexity
     for their shortlist and the mixed-K ones), from a rotation fit (fit.fit_rotations) and its
     calibration text."""
     from ..calibration.fit import clip_candidates, clip_errors, fit_quantizer, tokens_from_text
 
-    found = budget_candidates(budget, context, fitted["head_dim"], lloyd_max, k_rounding, scale_dtype)
+    found = budget_candidates(budget, context, fitted["head_dim"], lloyd_max, k_rounding, scale_dtype, min_window)
     for c in found:
         c.quantizer = fit_quantizer(fitted, c.config, lloyd_max)
         c.config = replace(c.config, k_clip=c.quantizer["k_clip"], v_clip=c.quantizer["v_clip"])
@@ -216,7 +246,7 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
     order = sorted((i for i in range(fitted["layers"]) if gains[i] > 0), key=lambda i: -gains[i])
     mixed = [c for bits, clip in clips.items()
              for c in mixed_candidates(best.config, clip, order, fitted["layers"], budget, context, fitted["head_dim"],
-                                       wider_bits=bits)]
+                                       wider_bits=bits, min_window=min_window)]
     for c in mixed:
         # the same rotations; each layer's K clip is in the config
         c.quantizer, c.layer_gains = best.quantizer, gains
@@ -225,15 +255,15 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
 
 
 def format_chooser(budget: float, context: int, head_dim: int, lloyd_max: bool = False, k_rounding: str = "nearest",
-                   scale_dtype: str = "float16"):
+                   scale_dtype: str = "float16", min_window: int = 0):
     """calibration.cached.run_calibration's `choose` for a budget of `budget` bits per element at `context`: a
     budget no format meets is refused here, before minutes of fitting; the chooser returns the chosen format, its
     quantizer and the metadata that records it (the format, the budget and every candidate scored)."""
-    budget_candidates(budget, context, head_dim, lloyd_max, k_rounding, scale_dtype)
+    budget_candidates(budget, context, head_dim, lloyd_max, k_rounding, scale_dtype, min_window)
 
     def pick(model, tokenizer, fitted: dict, text: str) -> tuple[OscarConfig, dict, dict]:
         chosen, considered = choose(model, tokenizer, fitted, text, budget, context, lloyd_max=lloyd_max,
-                                    k_rounding=k_rounding, scale_dtype=scale_dtype)
+                                    k_rounding=k_rounding, scale_dtype=scale_dtype, min_window=min_window)
         config = chosen.config
         metadata = {"sink": config.sink, "recent": config.recent, "budget_bits": budget, "budget_context": context,
                     "bits_per_element": chosen.bits, "budget_candidates": [c.summary() for c in considered]}
@@ -244,3 +274,65 @@ def format_chooser(budget: float, context: int, head_dim: int, lloyd_max: bool =
         return config, chosen.quantizer, metadata
 
     return pick
+
+
+def device_budget(shape, device_memory: int, context: int, weight_plan: dict, scale_dtype: str,
+                  k_rounding: str = "nearest", ceiling: float = DEFAULT_CEILING_BITS, reserve: int | None = None,
+                  min_window: int = 0) -> dict:
+    """The budget an export without format flags searches within: the bits per element the device leaves a cache
+    of `context` tokens (planner.cache_budget_bits: the weights as `weight_plan` stores them, the reserve: default
+    the planner's), floored to a hundredth of a bit, at most `ceiling` or the cheapest format's bits if more. A
+    device where even the cheapest format does not fit is an error naming the device and the context."""
+    available = cache_budget_bits(shape, device_memory, context, reserve, k_feedback=k_rounding == "feedback",
+                                  **weight_plan)
+    cheapest = cheapest_format(context, shape.head_dim, k_rounding=k_rounding, scale_dtype=scale_dtype,
+                               min_window=min_window)
+    # At a short context the fp16 windows alone can take more than the ceiling: then the cheapest format's bits.
+    ceiling = max(ceiling, math.ceil(cheapest.bits * 100) / 100)
+    budget = min(math.floor(available * 100) / 100, ceiling)
+    if budget < cheapest.bits:
+        c = cheapest.config
+        raise OscarInputError(
+            f"--device-memory {_size(device_memory)} at --context {context}: {shape.name}'s weights and the "
+            f"reserve leave the cache {max(available, 0):.3f} bits per K/V element: expected at least "
+            f"{cheapest.bits:.3f}, the cheapest format ({c.describe()}, group {c.cluster_dim}, recent {c.recent}); "
+            "a shorter --context or a larger device fits (oscar-export plan shows the fit)")
+    return {"device_memory_bytes": device_memory, "context": context, "available_bits": round(available, 4),
+            "ceiling_bits": ceiling, "budget_bits": budget}
+
+
+def device_scale_dtype(scale_dtypes: tuple[str, ...]) -> str:
+    """The scales a device-chosen format stores: the first of PREFERRED_SCALE_DTYPES a target takes."""
+    return next(d for d in PREFERRED_SCALE_DTYPES if d in scale_dtypes)
+
+
+def _size(n: int) -> str:
+    """Bytes as --device-memory takes them (binary units)."""
+    return f"{n // 2**30}GB" if n % 2**30 == 0 else f"{n / 2**20:.1f}MB"
+
+
+def device_calibration(model_name: str, shape, device_memory: int, context: int, weight_plan: dict,
+                       scale_dtypes: tuple[str, ...], min_window: int = 0, text_path=None,
+                       tokens: int | None = None, store=None) -> tuple:
+    """The rotation file of the format chosen for a device: the budget search (format_chooser) within
+    device_budget's bits, calibrated once and cached like every calibration (its key holds the budget, the context
+    and the scales). Returns (path, reused, choice): choice says why (device_budget's fields, the chosen format's
+    bits per element). scale_dtypes: the ones the target stores (device_scale_dtype picks).
+    min_window: the fewest tokens the target's fp16 windows take. store: where a new calibration is written
+    (default: the cache directory)."""
+    from ..calibration.cached import CALIBRATED_K_ROUNDING, DEFAULT_TOKENS, calibrated_rotations
+    from ..calibration.files import load_rotations
+
+    scale_dtype = device_scale_dtype(scale_dtypes)
+    choice = device_budget(shape, device_memory, context, weight_plan, scale_dtype, CALIBRATED_K_ROUNDING,
+                           min_window=min_window)
+    base = OscarConfig(k_rounding=CALIBRATED_K_ROUNDING, scale_dtype=scale_dtype)
+    chooser = format_chooser(choice["budget_bits"], context, shape.head_dim, k_rounding=CALIBRATED_K_ROUNDING,
+                             scale_dtype=scale_dtype, min_window=min_window)
+    path, reused = calibrated_rotations(model_name, base, text_path, tokens or DEFAULT_TOKENS, store=store,
+                                        choose=chooser,
+                                        choice={"budget_bits": choice["budget_bits"], "budget_context": context,
+                                                "min_window": min_window, "search": SEARCH})
+    metadata = load_rotations(path).metadata
+    choice.update(scale_dtype=scale_dtype, bits_per_element=metadata["bits_per_element"])
+    return path, reused, choice

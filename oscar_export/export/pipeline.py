@@ -17,20 +17,23 @@ from .artifact import (check_export_args, default_context, eos_ids, export_lock,
 
 def export_artifact(target, model_name: str, out, rotations="hadamard", max_context: int | None = None,
                     float_weights: bool = False, device_memory: str | None = None, options=None,
-                    config: OscarConfig | None = None) -> dict:
+                    config: OscarConfig | None = None, format_choice: dict | None = None) -> dict:
     """Export `model_name` ('bundled' or a local checkpoint) for `target` (a registered targets.Target; options:
     its TargetOptions, default target.options) into the directory `out`; returns the manifest. config: the cache
     format, used as given; None: the defaults completed by the rotation file's metadata (its clip ratios, codebook
-    and K rounding, or the whole format a budget search chose), the group sized for the model's head_dim."""
+    and K rounding, or the whole format a budget search chose), the group sized for the model's head_dim.
+    format_choice: why the format is what it is when the export chose it for a device (the manifest keeps it)."""
     options = options or target.options
     memory = check_export_args(out, rotations, device_memory or options.device_memory)
     if config is not None and not isinstance(config, OscarConfig):
         raise TypeError(f"config is {type(config).__name__}: expected an OscarConfig or None")
     with export_lock(out):
-        return _export(target, model_name, out, rotations, max_context, float_weights, memory, options, config)
+        return _export(target, model_name, out, rotations, max_context, float_weights, memory, options, config,
+                       format_choice)
 
 
-def _export(target, model_name, out, rotations, max_context, float_weights, memory, options, config) -> dict:
+def _export(target, model_name, out, rotations, max_context, float_weights, memory, options, config,
+            format_choice) -> dict:
     from ..hf_cache import resolve_rotations
     from ..models import is_gguf, load_model, model_dir, model_shape
     from ..planner import plan
@@ -56,5 +59,6 @@ def _export(target, model_name, out, rotations, max_context, float_weights, memo
         lowered.write(temp)
         return finish_manifest(temp, target.name, target.runtime, model_name, model, shape,
                                save_inputs(temp, tokenizer, rotations, resolved), config, max_context, max_chunk,
-                               lowered.weights, plan(shape, config, memory, max_context, **lowered.plan_args),
-                               target.packages, **lowered.manifest)
+                               lowered.weights, plan(shape, config, memory, max_context, **target.weight_plan(options, float_weights)),
+                               target.packages, **lowered.manifest,
+                               **({"format_choice": format_choice} if format_choice else {}))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import OscarConfig, OscarInputError
+from ..sizes import SCALE_BUFFER_DTYPES
 
 REFERENCE = "reference"  # every target's run/parity runtime: the eager graph with the artifact's own weights
 
@@ -35,11 +36,10 @@ class TargetOptions:
 @dataclass
 class Lowered:
     """What a target's lowering hands back to the pipeline: a writer for its files in the staging
-    directory, how its weights are stored, the planner's weight arguments and extra manifest fields."""
+    directory, how its weights are stored and extra manifest fields."""
 
     write: Callable[[Path], None]
     weights: str
-    plan_args: dict = field(default_factory=dict)
     manifest: dict = field(default_factory=dict)
 
 
@@ -56,6 +56,10 @@ class Target:
     # lower() takes a graph traced on the meta device and a source of its weights (export/streamed.py), so a
     # safetensors checkpoint larger than memory exports one layer at a time.
     streams_weights: bool = False
+    scale_dtypes: tuple[str, ...] = tuple(SCALE_BUFFER_DTYPES)  # the scale and zero storage its programs take
+    # The fewest tokens its programs' fp16 sink and recent windows may hold: each is a buffer, and runtimes refuse
+    # empty ones (ExecuTorch: "0 in strides"; Core ML inputs cannot be empty).
+    min_window: int = 1
 
     @property
     def default_out(self) -> Path:
@@ -83,6 +87,18 @@ class Target:
 
     def check(self, options: TargetOptions, config: OscarConfig, max_context: int) -> None:
         """Reject a cache format or layout this target cannot run, before the model is loaded."""
+        if config.scale_dtype not in self.scale_dtypes:
+            raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected "
+                                  f"{' or '.join(map(repr, self.scale_dtypes))}, the scales the {self.name} target "
+                                  "stores")
+        for name in ("sink", "recent"):
+            if getattr(config, name) < self.min_window:
+                raise OscarInputError(f"--{name} {getattr(config, name)}: the {self.name} target needs a window of at "
+                                      f"least {self.min_window} token (its runtime takes no empty buffer)")
+
+    def weight_plan(self, options: TargetOptions, float_weights: bool) -> dict:
+        """How the artifact stores its weights, as planner.plan's weight arguments."""
+        return {"weight_bits": 16 if float_weights else 4}
 
     def lower(self, module, model, tokenizer, max_context: int, max_chunk: int, float_weights: bool,
               options: TargetOptions, weights=None) -> Lowered:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from oscar_export.calibration.cached import SHIPPED_FILE, cache_key, calibrated_rotations, default_text, read_text
+from oscar_export.calibration.cached import cache_key, calibrated_rotations, default_text, read_text
 from oscar_export.cli import main
 from oscar_export.cli.flags import calibration_config
 from oscar_export.config import OscarConfig
@@ -20,12 +20,16 @@ def error_line(err: str) -> str:
     return lines[0]
 
 
-def test_the_default_export_config_reuses_the_shipped_calibration():
-    # What `oscar-export --target T` calibrates for without cache flags (K with error feedback).
+SHIPPED = BUNDLED_MODEL_DIR / "calibration.safetensors"  # scripts/ship_calibrations.py
+
+
+def test_the_cache_flags_default_config_reuses_the_shipped_calibration():
+    # What `oscar-export --target T --rotations calibrate` calibrates for with cache flags at their defaults (K with
+    # error feedback).
     config = calibration_config(argparse.Namespace(k_rounding=None), OscarConfig())
     assert config.k_rounding == "feedback"
     path, reused = calibrated_rotations("bundled", config)
-    assert reused and path == BUNDLED_MODEL_DIR / SHIPPED_FILE
+    assert reused and path == SHIPPED
     meta = load_rotations(path).metadata
     _, text_sha256 = read_text(default_text())
     assert meta["method"] == "calibrate" and meta["calibration_text_sha256"] == text_sha256
@@ -92,7 +96,7 @@ def test_calibration_text_needs_calibrate(tmp_path, capsys):
 def test_info_shows_how_the_rotations_were_made(tmp_path, capsys):
     artifact = tmp_path / "artifact"
     artifact.mkdir()
-    rotations = load_rotations(BUNDLED_MODEL_DIR / SHIPPED_FILE)
+    rotations = load_rotations(SHIPPED)
     (artifact / "manifest.json").write_text(json.dumps({
         "format": "oscar-export/laptop/1", "target": "laptop", "runtime": "onnxruntime",
         "model": {"source": "bundled"}, "weights": "float32", "max_context": 256, "config": {},

@@ -11,7 +11,8 @@ from oscar_export.calibration.cached import run_calibration
 from oscar_export.cli import main
 from oscar_export.config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarInputError
 from oscar_export.config import config_for
-from oscar_export.models import BUNDLED_MODEL_DIR, load_model
+from oscar_export.models import BUNDLED_MODEL_DIR, load_model, model_shape
+from oscar_export.planner import cache_budget_bits, plan
 from oscar_export.calibration.files import load_rotations
 from oscar_export.evaluate.budget import (
     PROBE_DEPTHS,
@@ -22,6 +23,8 @@ from oscar_export.evaluate.budget import (
     WIDER_CLIPS,
     WINDOWS,
     candidates,
+    cheapest_format,
+    device_budget,
     mixed_candidates,
     retrieval_probe,
     wider_clips,
@@ -239,3 +242,103 @@ def test_an_unreachable_budget_is_refused_before_the_rotation_fit(monkeypatch, b
     with pytest.raises(OscarInputError, match=f"--budget-bits {budget:g}"):
         run_calibration("bundled", OscarConfig(), BUNDLED_MODEL_DIR / "heldout.txt", 1024, 256, model=model,
                         tokenizer=tokenizer, choose=format_chooser(budget, 1024, 64))
+
+
+def test_the_cheapest_format_is_the_fewest_bits_of_any_the_search_tries():
+    for head_dim, context, scale_dtype in ((64, 8192, "float16"), (128, 32768, "float8_e4m3fn"), (64, 300, "float16")):
+        cheapest = cheapest_format(context, head_dim, scale_dtype=scale_dtype)
+        scale_bits = 8 if scale_dtype == "float8_e4m3fn" else 16
+        by_hand = min(stored_bits(k, v, g, s, r, head_dim, context, scale_bits) for k in SUPPORTED_BITS
+                      for v in SUPPORTED_BITS for g in SUPPORTED_CLUSTER_DIMS if head_dim % g == 0 for s, r in WINDOWS)
+        assert cheapest.bits == pytest.approx(by_hand)
+        assert candidates(cheapest.bits, context, head_dim, scale_dtype=scale_dtype)
+
+
+GiB = 2**30
+ANDROID_WEIGHTS = dict(weight_bits=4, weight_group=32, weight_zero_points=False)
+
+
+@pytest.mark.parametrize("memory, context, expected", [
+    (8 * GiB, 32768, "ceiling"),  # room to spare: the default's ceiling
+    (8 * GiB, 131072, "device"),  # the device's own budget, floored to a hundredth
+])
+def test_the_device_budget_is_what_the_device_leaves_at_most_the_ceiling(memory, context, expected):
+    shape = model_shape("llama-3-8b")
+    choice = device_budget(shape, memory, context, dict(ANDROID_WEIGHTS, embedding_bits=4), "float8_e4m3fn",
+                           "feedback", ceiling=3.0)
+    available = cache_budget_bits(shape, memory, context, k_feedback=True, embedding_bits=4, **ANDROID_WEIGHTS)
+    assert choice["available_bits"] == pytest.approx(available, abs=1e-4)
+    if expected == "ceiling":
+        assert available > 3.0 and choice["budget_bits"] == 3.0
+    else:
+        assert available < 3.0 and choice["budget_bits"] == math.floor(available * 100) / 100
+    formats = candidates(choice["budget_bits"], context, shape.head_dim, k_rounding="feedback",
+                         scale_dtype="float8_e4m3fn")
+    for c in formats:  # every format the search may pick fits the device by the planner's count
+        p = plan(shape, c.config, memory, context, embedding_bits=4, **ANDROID_WEIGHTS)
+        assert p["fits"], c.summary()
+
+
+def test_a_device_no_format_fits_is_named_with_its_context():
+    shape = model_shape("llama-3-8b")
+    with pytest.raises(OscarInputError, match=r"--device-memory 8GB at --context 131072: llama-3-8b's weights and "
+                                              r"the reserve leave the cache [0-9.]+ bits per K/V element: expected "
+                                              r"at least [0-9.]+, the cheapest format"):
+        device_budget(shape, 8 * GiB, 131072, ANDROID_WEIGHTS, "float16", "feedback")
+
+
+def test_plan_shows_the_budget_the_target_searches_within(capsys):
+    assert main(["plan", "--target", "android", "--model", "llama-3-8b", "--context", "131072", "--json"]) == 0
+    assert "--device-memory 8GB at --context 131072" in json.loads(capsys.readouterr().out)["format_choice"]["error"]
+    assert main(["plan", "--target", "android", "--model", "llama-3-8b", "--context", "131072"]) == 0
+    assert "no format fits" in capsys.readouterr().out
+    assert main(["plan", "--target", "android", "--model", "llama-3-8b", "--context", "65536", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    choice = p["format_choice"]
+    assert choice["target"] == "android" and choice["scale_dtype"] == "float8_e4m3fn"
+    assert choice["budget_bits"] == math.floor(min(choice["available_bits"], 3.0) * 100) / 100
+    assert main(["plan", "--target", "ios", "--model", "llama-3-8b", "--context", "8192", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["format_choice"]["scale_dtype"] == "float16"
+    # A format flag is an explicit format: nothing is chosen.
+    assert main(["plan", "--target", "ios", "--model", "llama-3-8b", "--bits", "2", "--json"]) == 0
+    assert "format_choice" not in json.loads(capsys.readouterr().out)
+    assert main(["plan", "--target", "ios", "--weight-bits", "8"]) == 2
+    assert "--weight-bits with --target ios: expected one of them" in capsys.readouterr().err
+
+
+def test_an_export_without_format_flags_chooses_the_format_for_the_device(tmp_path, monkeypatch, capsys):
+    """The default device's budget is the ceiling and its calibration ships with the bundled model; a tighter
+    device gets its own budget, calibrated once and then reused; a device nothing fits is refused before export."""
+    monkeypatch.setenv("OSCAR_EXPORT_CACHE", str(tmp_path / "cache"))
+    shape = model_shape("bundled")
+    assert main(["--target", "laptop", "--float-weights", "--out", str(tmp_path / "a"), "--json"]) == 0
+    manifest = json.loads(capsys.readouterr().out)
+    choice, meta = manifest["format_choice"], manifest["rotations_metadata"]
+    assert choice["budget_bits"] == 3.0 and choice["context"] == 2048 and choice["scale_dtype"] == "float8_e4m3fn"
+    assert meta["budget_bits"] == 3.0 and meta["budget_context"] == 2048
+    assert manifest["config"]["scale_dtype"] == "float8_e4m3fn" and manifest["config"]["sink"] >= 1
+    assert manifest["plan"]["fits"] and manifest["plan"]["bits_per_element"] == choice["bits_per_element"] <= 3.0
+    assert not (tmp_path / "cache").exists()  # the shipped calibration, not a new one
+
+    context, target_bits = 2048, 2.8  # a device that leaves about 2.8 bits per element at 2048 tokens
+    weights = {"weight_bits": 16}  # laptop --float-weights
+    elements = context * shape.layers * shape.kv_heads * shape.head_dim * 2
+    fixed = cache_budget_bits(shape, 2**30, context, reserve=0, k_feedback=True, **weights)
+    weight_bytes = 2**30 - fixed * elements / 8
+    memory = int((target_bits * elements / 8 + weight_bytes) / 0.8) + 1
+    flags = ["--target", "laptop", "--float-weights", "--context", str(context), "--device-memory", str(memory),
+             "--calibration-tokens", "2048"]
+    assert main([*flags, "--out", str(tmp_path / "b")]) == 0
+    line = capsys.readouterr().out
+    assert "rotations calibrated for the device;" in line
+    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
+    choice = manifest["format_choice"]
+    available = cache_budget_bits(shape, memory, context, k_feedback=True, **weights)
+    assert 2.75 < available < 2.85 and choice["budget_bits"] == math.floor(available * 100) / 100
+    assert manifest["plan"]["fits"] and manifest["plan"]["bits_per_element"] <= choice["budget_bits"]
+    assert main([*flags, "--out", str(tmp_path / "c")]) == 0
+    assert "calibrated for the device (reused)" in capsys.readouterr().out
+
+    assert main([*flags[:-4], "--device-memory", str(int(weight_bytes / 0.8) + 1), "--out", str(tmp_path / "d")]) == 2
+    assert "leave the cache 0.000 bits per K/V element: expected at least" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()

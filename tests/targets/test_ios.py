@@ -47,9 +47,11 @@ def prompt():
 
 @pytest.fixture(scope="module")
 def artifact(tmp_path_factory):
-    """The bundled model exported by the CLI with fp16 weights, context 1024, default cache flags."""
+    """The bundled model exported by the CLI with fp16 weights, context 1024, the cache flags' default format (a
+    format flag, so not the format chosen for a device: tests/evaluate/test_budget.py)."""
     out = tmp_path_factory.mktemp("ios") / "f32"
-    assert main(["--target", "ios", "--context", str(CONTEXT), "--float-weights", "--out", str(out)]) == 0
+    assert main(["--target", "ios", "--context", str(CONTEXT), "--bits", "2", "--float-weights",
+                 "--out", str(out)]) == 0
     return out
 
 
@@ -287,7 +289,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "foreign.txt").write_text("not an artifact")
     for args, needle in [(["--target", "ios", "--out", str(tmp_path)], "not an oscar-export artifact"),
                          (["--target", "ios", "--rotations", "online"], "online"),
-                         (["--target", "ios", "--context", "300", "--out", str(tmp_path / "a")], "no packed body"),
+                         (["--target", "ios", "--context", "300", "--bits", "2", "--out", str(tmp_path / "a")],
+                          "no packed body"),
                          (["--target", "ios", "--recent", "0", "--out", str(tmp_path / "b")], "--recent 0"),
                          (["--target", "ios", "--scale-dtype", "float8_e4m3fn", "--out", str(tmp_path / "c")],
                           "scale_dtype='float8_e4m3fn': expected 'float16'"),

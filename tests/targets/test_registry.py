@@ -157,8 +157,10 @@ class _NoteTarget(Target):
         spec = [[name, list(shape), str(dtype).removeprefix("torch.")] for name, shape, dtype in
                 module.cache_spec(max_context)]
         note = {"note": options.note, "max_chunk": max_chunk, "cache": spec, "vocab": module.lm_head.out_features}
-        return Lowered(lambda temp: (temp / "note.json").write_text(json.dumps(note)), "float32",
-                       dict(weight_bits=16), {"note": options.note})
+        return Lowered(lambda temp: (temp / "note.json").write_text(json.dumps(note)), "float32", {"note": options.note})
+
+    def weight_plan(self, options, float_weights):
+        return {"weight_bits": 16}
 
     def program_io(self, directory):
         note = json.loads((directory / "note.json").read_text())
@@ -183,6 +185,7 @@ def test_a_registered_target_goes_through_the_one_pipeline(notes_target, tmp_pat
                                 "float16"]
     assert load_manifest(out)["files"]["note.json"]["bytes"] == (out / "note.json").stat().st_size
     assert manifest["plan"]["context"] == 128 and manifest["rotations"] == "hadamard"
+    assert manifest["plan"]["weight_bits"] == 16  # the target's weight_plan
     # The reference runtime is every target's: the eager graph over the artifact's own config and weights.
     result = run_artifact(out, "KING.", 3, REFERENCE)
     assert len(result["tokens"]) == 3 and isinstance(result["text"], str)

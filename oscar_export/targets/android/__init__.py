@@ -43,6 +43,10 @@ class AndroidTarget(Target):
             raise OscarInputError(f"--group-size {args.group_size}: expected a positive channel count")
         return replace(self.options, group_size=args.group_size)
 
+    def weight_plan(self, options, float_weights):
+        # XNNPACK's 4-bit weights are symmetric: a scale, no zero point.
+        return dict(weight_bits=16 if float_weights else 4, weight_group=options.group_size, weight_zero_points=False)
+
     def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options,
               weights=None) -> Lowered:
         from .lower import lower_artifact

@@ -277,7 +277,4 @@ def lower_artifact(module, model, tokenizer, max_context: int, max_chunk: int, f
 
     return Lowered(write, "float32" if float_weights else
                    f"int4 (torchao 8-bit dynamic activations, group {group_size}), fp16 embeddings",
-                   # XNNPACK's 4-bit weights are symmetric: a scale, no zero point.
-                   dict(weight_bits=16 if float_weights else 4, weight_group=group_size,
-                        weight_zero_points=False),
                    {"group_size": group_size})

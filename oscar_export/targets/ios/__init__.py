@@ -58,6 +58,7 @@ def io_layout(module, max_context: int, max_chunk: int) -> dict:
 
 class IosTarget(Target):
     name = "ios"
+    scale_dtypes = ("float16",)  # the Core ML rows' scale and zero inputs (ops/coreml.py)
     runtime = "coreml"
     description = ("an .mlpackage for Core ML on iPhone, iPad and Mac (iOS 18 / macOS 15) whose 2-bit cache is "
                    "app-held int32 buffers, 4-bit weights from coremltools.optimize, tokenizer and manifest.json")
@@ -68,10 +69,15 @@ class IosTarget(Target):
     float_weights_help = "keep fp16 weights (default: 4-bit, coremltools.optimize linear quantization)"
 
     def check(self, options, config, max_context):
-        from .lower import check_layout, check_scale_dtype
+        from .lower import check_layout
 
-        check_scale_dtype(config.scale_dtype)
+        super().check(options, config, max_context)
         check_layout(config.sink, config.recent, max_context)
+
+    def weight_plan(self, options, float_weights):
+        # every parameter matrix, the embedding table too, 4-bit symmetric (no zero points)
+        return dict(weight_bits=16 if float_weights else 4, embedding_bits=16 if float_weights else 4,
+                    weight_zero_points=False, weight_group=options.weight_block)
 
     def lower(self, module, model, tokenizer, max_context, max_chunk, float_weights, options,
               weights=None) -> Lowered:
@@ -88,9 +94,6 @@ class IosTarget(Target):
         }
         return Lowered(lambda temp: mlmodel.save(str(temp / MODEL_FILE)),
                        "float16" if float_weights else f"int4 (linear_symmetric, block {options.weight_block})",
-                       # every parameter matrix, the embedding table too, 4-bit symmetric (no zero points)
-                       dict(weight_bits=16 if float_weights else 4, embedding_bits=16 if float_weights else 4,
-                            weight_zero_points=False, weight_group=options.weight_block),
                        dict(deployment_target="iOS18 / macOS15", compute_precision="float32",
                             io=io_layout(module, max_context, max_chunk), cache=cache))
 

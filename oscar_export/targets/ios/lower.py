@@ -98,20 +98,12 @@ def unsupported_ops(program: torch.export.ExportedProgram) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def check_scale_dtype(scale_dtype: str) -> None:
-    """The Core ML rows carry float16 scales and zeros (ops/coreml.py)."""
-    if scale_dtype != "float16":
-        raise OscarInputError(f"scale_dtype={scale_dtype!r}: expected 'float16', the only scales the ios target "
-                              "stores (float8_e4m3fn exports for android and laptop)")
-
-
 def convert(module: OscarCausalLM, max_context: int, max_chunk: int, float_weights: bool = False,
             compute_precision=None, weight_block: int = 32):
     """The Core ML model (coremltools MLModel, not yet saved). compute_precision: fp32 unless given; 4-bit
     weights unless float_weights, a scale per weight_block input channels."""
     import coremltools as ct
 
-    check_scale_dtype(module.config.scale_dtype)
     program = trace(module, max_context, max_chunk)
     bad = unsupported_ops(program)
     if bad:

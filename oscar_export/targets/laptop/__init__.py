@@ -60,9 +60,11 @@ class LaptopTarget(Target):
 
         return Lowered(write, "float32" if float_weights else
                        f"int4 (MatMulNBits, block {options.weight_block}, int8 activations), int8 lm_head, "
-                       "fp16 embeddings",
-                       dict(weight_bits=16 if float_weights else 4, head_bits=16 if float_weights else 8,
-                            weight_group=options.weight_block))
+                       "fp16 embeddings")
+
+    def weight_plan(self, options, float_weights):
+        return dict(weight_bits=16 if float_weights else 4, head_bits=16 if float_weights else 8,
+                    weight_group=options.weight_block)
 
     def parity_limits(self, manifest):
         # int8 activations: rounding is a step function, so any float difference upstream (the attention op's
