@@ -15,7 +15,7 @@ from rich.table import Table
 from .. import __version__
 from ..config import OscarConfig, OscarInputError
 from ..targets import registry
-from .flags import cache_flag_values, calibration_config, config_from_args
+from .flags import cache_flags_given, calibration_config, config_from_args
 
 # Runtime name -> Python distribution that provides it.
 RUNTIMES = {
@@ -73,7 +73,7 @@ def _print_plan(p: dict) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from ..models import model_shape
-    from ..planner import DEFAULT_WEIGHT_GROUP, parse_bytes, plan
+    from ..planner import parse_bytes, plan
 
     memory = parse_bytes(args.device_memory, "--device-memory")
     reserve = parse_bytes(args.reserve, "--reserve") if args.reserve else None
@@ -84,19 +84,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
         metadata = load_rotations(args.rotations).metadata
     weight_flags = {"weight_bits": args.weight_bits, "embedding_bits": args.embedding_bits,
                     "weight_group": args.weight_group}
-    if args.target is None:
-        weights = {"weight_bits": 4, "embedding_bits": 16, "weight_group": DEFAULT_WEIGHT_GROUP}
-        weights.update({key: value for key, value in weight_flags.items() if value is not None})
-    else:
-        given = [f"--{key.replace('_', '-')}" for key, value in weight_flags.items() if value is not None]
-        if given:
+    weights = {key: value for key, value in weight_flags.items() if value is not None}  # plan's defaults otherwise
+    if args.target is not None:
+        if weights:
+            given = [f"--{key.replace('_', '-')}" for key in weights]
             raise OscarInputError(f"{', '.join(given)} with --target {args.target}: expected one of them: the "
                                   "target stores its weights its own way")
         target = registry()[args.target]
         weights = target.weight_plan(target.options, False)
     shape = model_shape(args.model)
     result = plan(shape, config_from_args(args, metadata), memory, args.context, reserve=reserve, **weights)
-    if args.target is not None and metadata is None and all(v is None for v in cache_flag_values(args).values()):
+    if args.target is not None and metadata is None and not cache_flags_given(args):
         result["format_choice"] = _format_choice(shape, memory, args.context, reserve, weights, target)
     if args.json:
         print(json.dumps(result, indent=2))

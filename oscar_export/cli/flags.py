@@ -104,6 +104,11 @@ def cache_flag_values(args: argparse.Namespace) -> dict:
     return values
 
 
+def cache_flags_given(args: argparse.Namespace) -> bool:
+    """Whether any flag names a part of the cache format (without one, an export chooses it for the device)."""
+    return any(value is not None for value in cache_flag_values(args).values())
+
+
 def config_from_args(args: argparse.Namespace, rotation_metadata: dict | None = None) -> OscarConfig:
     """The cache flags; what a rotation file's metadata carries (config.with_metadata_defaults) applies where a flag
     is unset, then the defaults."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..bench import RUNTIMES, BenchRequest, kinds, measurer as bench_module
 from ..config import OscarConfig, OscarInputError
 from ..targets import get, names, registry
-from .flags import (Parser, add_cache_flags, cache_flag_values, config_from_args, context_tokens, contexts,
+from .flags import (Parser, add_cache_flags, cache_flags_given, config_from_args, context_tokens, contexts,
                     export_parser, export_rotations, greedy_steps, positive_int, thread_count)
 
 
@@ -68,7 +68,7 @@ def export_target(argv: list[str]) -> int:
 def device_chooses(args: argparse.Namespace) -> bool:
     """The export chooses the cache format for --device-memory and --context: calibrated rotations and no flag
     that names a part of the format."""
-    return args.rotations == "calibrate" and all(v is None for v in cache_flag_values(args).values())
+    return args.rotations == "calibrate" and not cache_flags_given(args)
 
 
 def device_rotations(args: argparse.Namespace, target, options, shape, memory: int) -> tuple:

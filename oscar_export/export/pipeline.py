@@ -57,8 +57,9 @@ def _export(target, model_name, out, rotations, max_context, float_weights, memo
     lowered = target.lower(module, model, tokenizer, max_context, max_chunk, float_weights, options, weights)
     with staged(out) as temp:
         lowered.write(temp)
+        weights_plan = target.weight_plan(options, float_weights)
         return finish_manifest(temp, target.name, target.runtime, model_name, model, shape,
                                save_inputs(temp, tokenizer, rotations, resolved), config, max_context, max_chunk,
-                               lowered.weights, plan(shape, config, memory, max_context, **target.weight_plan(options, float_weights)),
+                               lowered.weights, plan(shape, config, memory, max_context, **weights_plan),
                                target.packages, **lowered.manifest,
                                **({"format_choice": format_choice} if format_choice else {}))
