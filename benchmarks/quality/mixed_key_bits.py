@@ -18,9 +18,10 @@ Which layers get 3 bits is chosen on calibration tokens only, by one of two rule
 - "nll": the drop in calibration NLL (the split's first 2,048 calibration tokens, one pass through the
   cache) when that layer alone has 3-bit K and every other layer 2-bit;
 - "err": the drop in that layer's attention-output relative error with only K quantized (2 -> 3 bits) on
-  the held-out calibration tokens, calibrate.clip_errors' criterion per layer.
-Rows are named mixed-<rule><n>/s<sink>-r<recent>: n layers with 3-bit K, the cache format's k_bits_by_layer
-("nll" ranks with budget.layer_gains, the ranking `calibrate --budget-bits` uses). --budget B adds the row
+  the held-out calibration tokens (budget.key_error_gains, the ranking `calibrate --budget-bits` uses since
+  its search became cheap enough for every export; it ranked with "nll" before).
+Rows are named mixed-<rule><n>/s<sink>-r<recent>: n layers with 3-bit K, the cache format's k_bits_by_layer.
+--budget B adds the row
 budget-B: the format `calibrate --budget-bits B --context 8192 --per-head` chooses from the split's calibration
 text alone, by the CLI's own path:
 
@@ -80,7 +81,7 @@ from oscar_export.evaluate.baselines import EvalOscarKVCache, Fp16Cache
 from oscar_export.evaluate.methods import oscar_method
 from oscar_export.config import config_for
 from oscar_export.hf_cache import attention_shape
-from oscar_export.evaluate.budget import Candidate, format_chooser, layer_gains
+from oscar_export.evaluate.budget import cache_nll, format_chooser, key_error_gains
 
 from benchmarks.common import (
     BITS_CONTEXT,
@@ -114,12 +115,17 @@ def mixed(cfg2: OscarConfig, cfg3: OscarConfig, wide: list[int], layers: int) ->
                    k_clip_by_layer=tuple(cfg3.k_clip if i in wide else cfg2.k_clip for i in range(layers)))
 
 
-def error_gains(heldout, rotations, cfg2: OscarConfig, cfg3: OscarConfig) -> list[float]:
-    """Per layer: attention-output relative error with only K quantized, 2-bit minus 3-bit."""
-    def error(layer, cfg):
-        return clip_errors({layer: heldout[layer]}, rotations, cfg, "k", (cfg.k_clip,))[cfg.k_clip]
+def layer_gains(model, ids, fitted: dict, cfg2: OscarConfig, cfg3: OscarConfig, quantizer: dict) -> list[float]:
+    """Per layer: calibration NLL of `ids` (nats, summed over tokens) with every layer at cfg2's K, less that with
+    this layer alone at cfg3's K width and clip."""
+    layers = fitted["layers"]
 
-    return [error(layer, cfg2) - error(layer, cfg3) for layer in sorted(heldout)]
+    def total(wide):
+        config = mixed(cfg2, cfg3, wide, layers) if wide else cfg2
+        return float(cache_nll(model, ids, config, quantizer, fitted).sum())
+
+    everywhere = total([])
+    return [everywhere - total([layer]) for layer in range(layers)]
 
 
 def budget_row(budget: float, context: int, model, tokenizer, calibration_text: str, head_dim: int,
@@ -246,9 +252,8 @@ def main() -> None:
         w2, w3 = replace(cfg2, sink=sink, recent=recent), replace(cfg3, sink=sink, recent=recent)
         key = f"{rule}/s{sink}-r{recent}"
         if key not in gains:
-            gains[key] = (error_gains(heldout, rotations, w2, w3) if rule == "err"
-                          else layer_gains(model, calibration_ids, sizes, Candidate(w2, 0.0, quantizer=quantizer),
-                                           w3.k_clip))
+            gains[key] = (key_error_gains(fitted, w2, w3.k_bits, w3.k_clip) if rule == "err"
+                          else layer_gains(model, calibration_ids, sizes, w2, w3, quantizer))
         chosen = sorted(sorted(range(layers), key=lambda i: -gains[key][i])[:count])
         run(name, mixed(w2, w3, chosen, layers), chosen)
         if rows[name]["bits"] > 3.0 + 1e-9:

@@ -7,18 +7,16 @@ each (k_bits, v_bits, cluster_dim) only the largest windows that fit are kept: w
 never accuracy. Every candidate gets the calibration's clip search (fit.fit_quantizer, on the
 held-out calibration tokens); the `shortlist` with the lowest attention-output error (K's plus V's)
 are then scored by perplexity through the packed cache, in one pass (evaluate.one_pass.one_pass_logits), of the
-calibration text's first `context` tokens with a retrieval probe in them (retrieval_probe: spans of the text
-inserted into it and repeated at its end, as the needle evaluation does with other text). The probe is why:
-the clip search's attention-output error and plain perplexity both favour a hard K clip and spread bits
-evenly, while copying a span seen thousands of tokens back needs precise K in the few layers that do it
-(on SmolLM2 one layer holds most of it), and the repeats' NLL is what says so.
+calibration text's first PROBE_CONTEXT tokens (fewer when the context is shorter) with a retrieval probe in them
+(retrieval_probe: spans of the text inserted into it and repeated at its end, as the needle evaluation does with
+other text). The probe is why: the clip search's attention-output error and plain perplexity both favour a hard K
+clip, while copying a span seen far back needs precise K, and the repeats' NLL is what says so.
 
-Then K: the winner's clip is scored against wider ones (CLIP_CANDIDATES above it), and mixed K widths: each
-wider width in the n layers where the widest helps most, each n at the largest windows that still fit (fewer
-wider layers leave bits for longer windows), a shortlist spread over n per width. Layers are ranked by how
-much the probe's NLL drops when that layer alone has the widest K (one pass per layer, at the winner's
-windows). The mixed candidates are scored like the shortlist, and the lowest perplexity of all wins. No
-evaluation text is read.
+Then K: the winner's clip is scored against wider ones (CLIP_CANDIDATES above it), and mixed K widths: each wider
+width in the n layers where it lowers the held-out attention-output error most, each n at the largest windows that
+still fit (fewer wider layers leave bits for longer windows), MIXED_SHORTLIST counts per width spread from one layer
+to the most that fit. The mixed candidates are scored like the shortlist, and the lowest perplexity of all wins, so
+a mix is only chosen where the probe says it beats the one-width format. No evaluation text is read.
 """
 
 from __future__ import annotations
@@ -33,13 +31,18 @@ from ..config import SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarConfig, OscarI
 # (sink, recent) fp16 tokens, the most tokens first (at equal totals the longer recent window).
 WINDOWS = tuple(sorted(((s, r) for s in (64, 32, 16, 0) for r in (512, 384, 256, 192, 128, 64, 32)),
                        key=lambda w: (-(w[0] + w[1]), -w[1])))
-SHORTLIST = 4
+SHORTLIST = 2
 CHUNK = 64  # decode-like chunks after the first, as eval runs them
-WIDER_CLIPS = 3  # K clips scored above the searched one, evenly spread up to 1.0
+WIDER_CLIPS = 2  # K clips scored above the searched one, evenly spread up to 1.0
+MIXED_SHORTLIST = 3  # mixed-K candidates scored per wider K width, spread from one wider layer to the most that fit
+# Tokens the probe scores at most: a pass costs more than linearly in them, and on SmolLM2 at 8K a probe of
+# 2,048 tokens chose the widths, group and windows one of 4,096 did (docs/calibration.md).
+PROBE_CONTEXT = 2048
 # The retrieval probe: as evaluate's needles (24 tokens, scored after 8, at five depths).
 PROBE_TOKENS, PROBE_PREFIX, PROBE_DEPTHS = 24, 8, (0.1, 0.3, 0.5, 0.7, 0.9)
 # What the search does, in a calibration cache key: a change to it is a new key.
-SEARCH = "v1: one-width shortlist by attention error, perplexity with a retrieval probe, wider K clips, mixed K"
+SEARCH = ("v2: one-width shortlist of 2 by attention error, perplexity with a retrieval probe of at most 2048 tokens, "
+          "2 wider K clips, 3 mixed K counts per width ranked by held-out error")
 # The most bits per element an export without format flags spends on the cache: at 3.0 with fp8 scales the search's
 # format met the quality goals on SmolLM2 (docs/calibration.md); a device with more room keeps its memory.
 DEFAULT_CEILING_BITS = 3.0
@@ -136,7 +139,7 @@ def retrieval_probe(ids):
 
 
 def mixed_candidates(base: OscarConfig, wider_clip: float, order: list[int], layers: int, budget: float,
-                     context: int, head_dim: int, shortlist: int = SHORTLIST, wider_bits: int | None = None,
+                     context: int, head_dim: int, shortlist: int = MIXED_SHORTLIST, wider_bits: int | None = None,
                      min_window: int = 0) -> list[Candidate]:
     """`base` with K `wider_bits` wide (default one bit wider; at `wider_clip`) in the first n of the layers
     `order` lists (the ones it helps, most helped first), for n from 1 to all but one of `layers` (all is a
@@ -160,7 +163,7 @@ def mixed_candidates(base: OscarConfig, wider_clip: float, order: list[int], lay
     return [by_count[j] for j in sorted(picks)]
 
 
-def _nll(model, ids, config: OscarConfig, quantizer: dict, fitted: dict):
+def cache_nll(model, ids, config: OscarConfig, quantizer: dict, fitted: dict):
     """NLL [T - 1] of the calibration tokens `ids` through the packed cache of `config`, in one pass."""
     import torch
 
@@ -175,23 +178,18 @@ def _nll(model, ids, config: OscarConfig, quantizer: dict, fitted: dict):
         return token_nll(model, ids, cache, CHUNK, max(config.sink + config.recent, CHUNK))
 
 
-def layer_gains(model, ids, fitted: dict, base: Candidate, wider_clip: float, wider_bits: int | None = None
-                ) -> list[float]:
-    """Per layer: calibration NLL of `ids` (nats, summed over tokens) with every layer at `base`'s K width, less
-    that with this layer alone `wider_bits` wide (default one bit wider)."""
-    from ..progress import progress
+def key_error_gains(fitted: dict, base: OscarConfig, wider_bits: int, wider_clip: float) -> list[float]:
+    """Per layer: the held-out attention-output error with only K quantized at `base`'s width and clip, less that
+    at `wider_bits` and `wider_clip` (calibration.fit.clip_errors on that layer's held-out tokens)."""
+    from ..calibration.fit import clip_errors
 
-    layers, c = fitted["layers"], base.config
-    wider_bits = c.k_bits + 1 if wider_bits is None else wider_bits
+    feedback = fitted["k_feedback"] if base.k_rounding == "feedback" else None
+    wider = replace(base, k_bits=wider_bits)
 
-    def total(widths):
-        clips = tuple(wider_clip if b > c.k_bits else c.k_clip for b in widths)
-        config = replace(c, k_bits_by_layer=widths, k_clip_by_layer=clips) if max(widths) > c.k_bits else c
-        return float(_nll(model, ids, config, base.quantizer, fitted).sum())
+    def error(layer: int, config: OscarConfig, clip: float) -> float:
+        return clip_errors({layer: fitted["heldout"][layer]}, fitted["rotations"], config, "k", (clip,), feedback)[clip]
 
-    everywhere = total((c.k_bits,) * layers)
-    return [everywhere - total(tuple(wider_bits if i == layer else c.k_bits for i in range(layers)))
-            for layer in progress(range(layers), "calibration: per-layer K sensitivity")]
+    return [error(layer, base, base.k_clip) - error(layer, wider, wider_clip) for layer in range(fitted["layers"])]
 
 
 def wider_clips(clip: float, count: int = WIDER_CLIPS) -> list[float]:
@@ -206,7 +204,7 @@ def wider_clips(clip: float, count: int = WIDER_CLIPS) -> list[float]:
 
 def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: int, lloyd_max: bool = False,
            shortlist: int = SHORTLIST, k_rounding: str = "nearest", scale_dtype: str = "float16",
-           min_window: int = 0) -> tuple[Candidate, list[Candidate]]:
+           min_window: int = 0, probe_context: int = PROBE_CONTEXT) -> tuple[Candidate, list[Candidate]]:
     """The chosen candidate and every candidate considered (attention error for the one-width ones, perplexity
     for their shortlist and the mixed-K ones), from a rotation fit (fit.fit_rotations) and its
     calibration text."""
@@ -218,11 +216,12 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
         c.config = replace(c.config, k_clip=c.quantizer["k_clip"], v_clip=c.quantizer["v_clip"])
         c.attention_error = min(c.quantizer["k_clip_errors"].values()) + min(c.quantizer["v_clip_errors"].values())
     ranked = sorted(found, key=lambda c: (c.attention_error, c.bits))[:shortlist]
-    ids = tokens_from_text(tokenizer, text, min(context, fitted["calibration_tokens"]), "calibration text")
+    ids = tokens_from_text(tokenizer, text, min(context, probe_context, fitted["calibration_tokens"]),
+                           "calibration text")
     probe = retrieval_probe(ids)
 
     def score(c: Candidate) -> Candidate:
-        c.perplexity = math.exp(float(_nll(model, probe, c.config, c.quantizer, fitted).mean()))
+        c.perplexity = math.exp(float(cache_nll(model, probe, c.config, c.quantizer, fitted).mean()))
         return c
 
     for c in ranked:
@@ -235,22 +234,19 @@ def choose(model, tokenizer, fitted: dict, text: str, budget: float, context: in
     considered = found + clipped
     if lloyd_max or best.config.k_bits == max(SUPPORTED_BITS) or fitted["layers"] < 2:
         return best, considered  # Lloyd-Max levels are fitted at one width; nothing wider than 4 bits
-    clips = {}
+    mixed = []
     for bits in range(best.config.k_bits + 1, max(SUPPORTED_BITS) + 1):
         errors = clip_errors(fitted["heldout"], fitted["rotations"], replace(best.config, k_bits=bits), "k",
                              clip_candidates("k", k_rounding),
                              fitted["k_feedback"] if k_rounding == "feedback" else None)
-        clips[bits] = min(errors, key=errors.get)
-    widest = max(clips)
-    gains = layer_gains(model, probe, fitted, best, clips[widest], widest)
-    order = sorted((i for i in range(fitted["layers"]) if gains[i] > 0), key=lambda i: -gains[i])
-    mixed = [c for bits, clip in clips.items()
-             for c in mixed_candidates(best.config, clip, order, fitted["layers"], budget, context, fitted["head_dim"],
-                                       wider_bits=bits, min_window=min_window)]
-    for c in mixed:
-        # the same rotations; each layer's K clip is in the config
-        c.quantizer, c.layer_gains = best.quantizer, gains
-        score(c)
+        clip = min(errors, key=errors.get)
+        gains = key_error_gains(fitted, best.config, bits, clip)
+        order = sorted((i for i in range(fitted["layers"]) if gains[i] > 0), key=lambda i: -gains[i])
+        for c in mixed_candidates(best.config, clip, order, fitted["layers"], budget, context, fitted["head_dim"],
+                                  wider_bits=bits, min_window=min_window):
+            # the same rotations; each layer's K clip is in the config
+            c.quantizer, c.layer_gains = best.quantizer, gains
+            mixed.append(score(c))
     return min([best] + mixed, key=lambda c: c.perplexity), considered + mixed
 
 

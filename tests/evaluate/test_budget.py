@@ -19,6 +19,7 @@ from oscar_export.evaluate.budget import (
     format_chooser,
     PROBE_PREFIX,
     PROBE_TOKENS,
+    MIXED_SHORTLIST,
     SHORTLIST,
     WIDER_CLIPS,
     WINDOWS,
@@ -113,7 +114,7 @@ def test_the_chosen_format_fits_and_scored_best(budget_file):
     mixed = [c for c in considered if c["k_bits_by_layer"] is not None]
     scored = [c for c in uniform if c["perplexity"] is not None and c["attention_error"] is not None]
     clipped = [c for c in uniform if c["attention_error"] is None]  # the shortlist winner at wider K clips
-    assert 1 <= len(scored) <= SHORTLIST and len(mixed) <= SHORTLIST * (max(SUPPORTED_BITS) - 2)
+    assert 1 <= len(scored) <= SHORTLIST and len(mixed) <= MIXED_SHORTLIST * (max(SUPPORTED_BITS) - 2)
     # The shortlist is the lowest attention errors; the winner has the lowest perplexity of it, its clip variants
     # and the mixed ones.
     cutoff = max(c["attention_error"] for c in scored)
@@ -127,14 +128,19 @@ def test_the_chosen_format_fits_and_scored_best(budget_file):
     assert (meta["k_bits"], meta["v_bits"], meta["cluster_dim"], meta["sink"], meta["recent"],
             meta.get("k_bits_by_layer")) == \
         (best["k_bits"], best["v_bits"], best["cluster_dim"], best["sink"], best["recent"], best["k_bits_by_layer"])
-    # Mixed candidates widen K where the calibration NLL said it helps, most helped first, on the best one-width
-    # format's widths and group, to one wider width each.
-    gains = meta.get("k_layer_gains")
+    # Mixed candidates widen K on the best one-width format's widths and group, to one wider width each; at one
+    # width, more wider layers contain fewer (one ranking, taken from the top).
+    by_width = {}
     for c in mixed:
-        wide = [i for i, b in enumerate(c["k_bits_by_layer"]) if b > c["k_bits"]]
-        assert len({c["k_bits_by_layer"][i] for i in wide}) == 1 and c["k_bits"] < c["k_bits_by_layer"][wide[0]] <= 4
-        assert all(gains[i] > 0 for i in wide)
-        assert min(gains[i] for i in wide) >= max([gains[i] for i in range(4) if i not in wide and gains[i] > 0],
+        wide = {i for i, b in enumerate(c["k_bits_by_layer"]) if b > c["k_bits"]}
+        assert len({c["k_bits_by_layer"][i] for i in wide}) == 1 and c["k_bits"] < c["k_bits_by_layer"][min(wide)] <= 4
+        by_width.setdefault(c["k_bits_by_layer"][min(wide)], []).append(wide)
+    for sets in by_width.values():
+        sets.sort(key=len)
+        assert all(a < b for a, b in zip(sets, sets[1:]))
+    if meta.get("k_bits_by_layer"):  # a mix won: its wider layers are the ones its ranking put first
+        gains, wide = meta["k_layer_gains"], [i for i, b in enumerate(meta["k_bits_by_layer"]) if b > meta["k_bits"]]
+        assert min(gains[i] for i in wide) >= max([gains[i] for i in range(len(gains)) if i not in wide],
                                                   default=-math.inf)
 
 
