@@ -265,7 +265,7 @@ def _triton_missing() -> str | None:
 
 
 def _triton_cache(case: Case) -> OscarKVCache:
-    """The reference cache in the case's own scale dtype: the kernels also take bf16 and fp32 scales."""
+    """The reference cache in the case's own scale dtype: the kernels take every one the format has."""
     levels = {kind: None if case.config.codebook == "uniform" else torch.from_numpy(case.levels[kind])[None]
               for kind in KINDS}
     return OscarKVCache(case.config, 1, case.kv_heads, case.head_dim, case.max_context,
@@ -274,7 +274,10 @@ def _triton_cache(case: Case) -> OscarKVCache:
 
 
 def _triton_final(cache: OscarKVCache) -> dict:
-    return {f"{kind}_{region}": getattr(cache, region)[kind][0].numpy() for kind in KINDS for region in REGIONS}
+    def array(t: torch.Tensor):  # fp8 scales and zeros as their uint8 bits, as the vectors hold them
+        return (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t).numpy()
+
+    return {f"{kind}_{region}": array(getattr(cache, region)[kind][0]) for kind in KINDS for region in REGIONS}
 
 
 def _triton_attend(case, cache, q, k, v, length, append="reference"):
@@ -355,11 +358,11 @@ def _fallback_attend(case, cache, q, k, v, length):
     return out, dict(cache, **dict(zip(CACHE_NAMES, updated)))
 
 
-# The Triton kernels take fp16, bf16 and fp32 scales, and the quantize kernel rounds K to the nearest level only
-# (tests/kernels/test_triton.py checks both refusals).
-TRITON_CASES = tuple(sorted(name for name, meta in INDEX["cases"].items()
-                            if meta["config"]["scale_dtype"] != "float8_e4m3fn"))
+# The Triton quantize kernel rounds K to the nearest level only (tests/kernels/test_triton.py checks the refusal):
+# every other nearest case appends through it, every remaining case through the reference.
+TRITON_CASES = tuple(sorted(INDEX["cases"]))
 NEAREST = tuple(name for name in TRITON_CASES if INDEX["cases"][name]["config"].get("k_rounding", "nearest") == "nearest")
+TRITON_APPENDS = NEAREST[1::2]
 
 BACKENDS = (
     # Tolerances as each backend's own tests had them. The native core (runtime_ops/core), also under the
@@ -372,11 +375,11 @@ BACKENDS = (
     # The reference itself, wrapped around the caller's buffers.
     *(Backend(f"torch-{variant}", _torch_attend, 1e-5, cases=tuple(OP_GOLDEN), options=dict(variant=variant))
       for variant in ("inplace", "out", "functional")),
-    # Every vector case, the fp32-scale one included; each storage path on every other case, as the
-    # interpreter takes seconds a case.
+    # Every vector case once, through one of the two storage paths, as the interpreter takes seconds a case.
     *(Backend(f"triton-{append}-append", _triton_attend, 2e-4, cases=cases, missing=_triton_missing,
               options=dict(append=append), new_cache=_triton_cache, final=_triton_final)
-      for append, cases in (("reference", TRITON_CASES[0::2]), ("triton", NEAREST[1::2]))),
+      for append, cases in (("reference", tuple(c for c in TRITON_CASES if c not in TRITON_APPENDS)),
+                            ("triton", TRITON_APPENDS))),
     Backend("coreml-rows", _coreml_attend, 1e-4),
     Backend("onnx-fallback", _fallback_attend, 1e-4, cases=tuple(OP_GOLDEN), missing=_fallback_missing),
 )

@@ -1,5 +1,3 @@
-from dataclasses import replace
-
 import pytest
 import torch
 
@@ -90,13 +88,10 @@ def test_bad_arguments():
 def test_triton_backend_generates_the_same_tokens():
     model = tiny_model("llama", seed=5)
     ids = torch.randint(0, 120, (1, 30), generator=torch.Generator().manual_seed(1))
-    config = OscarConfig(cluster_dim=32, sink=4, recent=8)
-    patch_model_for_kv_quant(model, config, rotations="hadamard", backend="reference")
-    reference = model.generate(ids, max_new_tokens=6, do_sample=False)
-    patch_model_for_kv_quant(model, config, rotations="hadamard", backend="triton")
-    assert model.oscar.backend == "triton"
-    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), reference)
-    with pytest.raises(OscarInputError, match="scale_dtype='float8_e4m3fn' with backend='triton'"):
-        patch_model_for_kv_quant(model, replace(config, scale_dtype="float8_e4m3fn"), backend="triton")
-    with pytest.raises(OscarInputError, match="scale_dtype='float8_e4m3fn' with backend='triton'"):
-        OscarCache(model, config=OscarConfig(scale_dtype="float8_e4m3fn"), backend="triton")
+    for scale_dtype in ("float16", "float8_e4m3fn"):
+        config = OscarConfig(cluster_dim=32, sink=4, recent=8, scale_dtype=scale_dtype)
+        patch_model_for_kv_quant(model, config, rotations="hadamard", backend="reference")
+        reference = model.generate(ids, max_new_tokens=6, do_sample=False)
+        patch_model_for_kv_quant(model, config, rotations="hadamard", backend="triton")
+        assert model.oscar.backend == "triton"
+        assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), reference), scale_dtype

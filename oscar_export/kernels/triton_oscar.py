@@ -40,10 +40,11 @@ from ..codec import Quantized, check_finite, check_levels, dequantize, threshold
 from ..sizes import packed_bytes
 from ..config import SCALE_DTYPES, SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarInputError
 
-# Scale dtypes as the kernels see them. bf16 is stored through its raw bits (int16) so the
-# interpreter, whose numpy has no bfloat16, runs the same code as the GPU.
-_SCALE_KIND = {"float16": 0, "bfloat16": 1, "float32": 2}
-KERNEL_SCALE_DTYPES = tuple(_SCALE_KIND)  # fp8 scales are the reference codec's only, for now
+# Scale dtypes as the kernels see them. bf16 and fp8 are stored through their raw bits (int16, uint8) so the
+# interpreter, whose numpy has neither, runs the same code as the GPU.
+_SCALE_KIND = {"float16": 0, "bfloat16": 1, "float32": 2, "float8_e4m3fn": 3}
+_RAW_BITS = {"bfloat16": torch.int16, "float8_e4m3fn": torch.uint8}
+KERNEL_SCALE_DTYPES = tuple(_SCALE_KIND)
 
 
 def interpreting() -> bool:
@@ -61,6 +62,17 @@ def _next_pow2(n: int) -> int:
 
 
 @triton.jit
+def _fp8_value(raw):
+    """fp8 E4M3FN bits (any integer type) -> fp32 (0x7F, NaN, reads as 480: the host refuses it first)."""
+    c = raw.to(tl.int32) & 0xFF
+    e = (c >> 3) & 0xF
+    m = c & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where((c & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
 def _round_to_scale_dtype(x, SCALE_KIND: tl.constexpr):
     """fp32 -> scale_dtype (round to nearest even) -> fp32; also returns what to store."""
     if SCALE_KIND == 0:
@@ -73,6 +85,21 @@ def _round_to_scale_dtype(x, SCALE_KIND: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         back = bits.to(tl.float32, bitcast=True)
         stored = (bits >> 16).to(tl.int16)  # stored into an int16 view of the bf16 tensor
+    elif SCALE_KIND == 3:
+        # fp8 E4M3FN by hand. Normals keep 3 mantissa bits, rounded half to even on the fp32 bits (a carry
+        # moves into the exponent); below 2**-6 the steps are 2**-9, rounded half to even by adding and
+        # subtracting 2**23 in fp32 (code 8 there is 2**-6, the smallest normal). A magnitude past 448, which
+        # the codec refuses, is stored as NaN (0x7F) for the host to refuse.
+        bits = x.to(tl.uint32, bitcast=True)
+        mag = bits & 0x7FFFFFFF
+        r = mag + 0x7FFFF + ((mag >> 20) & 1)
+        normal = ((((r >> 23) & 0xFF) - 120) << 3) | ((r >> 20) & 7)
+        a = tl.abs(x)
+        sub = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.uint32)
+        code = tl.where(a < 0.015625, sub, normal)
+        code = tl.where(a > 448.0, 0x7F, code) | ((bits >> 24) & 0x80)
+        stored = code.to(tl.uint8)
+        back = _fp8_value(stored)
     else:
         stored = x
         back = x
@@ -88,7 +115,7 @@ def _round_to_scale_dtype(x, SCALE_KIND: tl.constexpr):
 def _quantize_pack_kernel(
     x_ptr,  # [N, D] fp16 or fp32, rotated vectors
     codes_ptr,  # [N, D * BITS // 8] uint8
-    scale_ptr,  # [N, G] scale dtype (int16 bits for bf16)
+    scale_ptr,  # [N, G] scale dtype (raw bits for bf16 and fp8)
     zero_ptr,  # [N, G]
     params_ptr,  # fp32 [1 + 2**BITS - 1]: c = fp32(0.5 * clip), then the thresholds
     n_rows,
@@ -213,7 +240,7 @@ def quantize_pack(
     rows = rows.contiguous()
     n, groups = rows.shape[0], d // cluster_dim
     sdt = torch_scale_dtype(scale_dtype)
-    store_dt = torch.int16 if scale_dtype == "bfloat16" else sdt
+    store_dt = _RAW_BITS.get(scale_dtype, sdt)
     codes = torch.empty(n, packed_bytes(d, bits), dtype=torch.uint8, device=x.device)
     scale = torch.empty(n, groups, dtype=store_dt, device=x.device)
     zero = torch.empty(n, groups, dtype=store_dt, device=x.device)
@@ -227,10 +254,10 @@ def quantize_pack(
             num_warps=4, enable_fp_fusion=False,  # no FMA: the clipped range must round twice
         )
     scale, zero = scale.view(sdt), zero.view(sdt)
-    if check and not (bool(torch.isfinite(scale).all()) and bool(torch.isfinite(zero).all())):
+    if check and not (bool(torch.isfinite(scale.float()).all()) and bool(torch.isfinite(zero.float()).all())):
         raise OscarInputError(
-            f"values exceed the range of scale_dtype={scale_dtype} "
-            f"(max {torch.finfo(sdt).max:g}): expected smaller magnitudes or scale_dtype='float32'"
+            f"values exceed the range of scale_dtype={scale_dtype} (max {torch.finfo(sdt).max:g}): expected smaller "
+            f"magnitudes or scale_dtype='{'float16' if sdt == torch.float8_e4m3fn else 'float32'}'"
         )
     return Quantized(
         codes.reshape(*lead, codes.shape[-1]), scale.reshape(*lead, groups), zero.reshape(*lead, groups)
@@ -306,6 +333,9 @@ def _dequant_rows(
     if SCALE_KIND == 1:  # bf16 arrives as int16 bits: widen them into the top of an fp32
         scale = ((tl.load(scale_ptr + so, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
         zero = ((tl.load(zero_ptr + so, mask=mask, other=0).to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    elif SCALE_KIND == 3:  # fp8 arrives as uint8 bits
+        scale = _fp8_value(tl.load(scale_ptr + so, mask=mask, other=0))
+        zero = _fp8_value(tl.load(zero_ptr + so, mask=mask, other=0))
     else:
         scale = tl.load(scale_ptr + so, mask=mask, other=0.0).to(tl.float32)
         zero = tl.load(zero_ptr + so, mask=mask, other=0.0).to(tl.float32)
@@ -489,9 +519,10 @@ def decode_attention(
         if ksc.dtype not in scale_names:
             raise OscarInputError(f"body scales are {ksc.dtype}: expected one of {KERNEL_SCALE_DTYPES} (the "
                                   f"Triton kernels' scale dtypes)")
-        scale_kind = _SCALE_KIND[scale_names[ksc.dtype]]
-        if scale_kind == 1:
-            ksc, kz, vsc, vz = (t.view(torch.int16) for t in (ksc, kz, vsc, vz))
+        name = scale_names[ksc.dtype]
+        scale_kind = _SCALE_KIND[name]
+        if name in _RAW_BITS:
+            ksc, kz, vsc, vz = (t.view(_RAW_BITS[name]) for t in (ksc, kz, vsc, vz))
         if kc.shape[-1] != packed_bytes(d, k_bits) or vc.shape[-1] != packed_bytes(d, v_bits):
             raise OscarInputError("body codes do not match head_dim, k_bits and v_bits")
     _check_device(q, k_sink, k_ring, k_new, kc)

@@ -43,7 +43,6 @@ from oscar_export.kernels.triton_oscar import (
 
 VECTORS = Path(__file__).resolve().parents[1] / "vectors"
 INDEX = json.loads((VECTORS / "index.json").read_text())
-# fp8 scales are the reference codec's only (test_fp8_scales_are_refused_with_the_reason).
 CASES = sorted(name for name, meta in INDEX["cases"].items() if meta["config"]["scale_dtype"] in KERNEL_SCALE_DTYPES)
 # The quantize kernel rounds to the nearest level; K's error feedback is the reference append's (checked below).
 NEAREST = [name for name in CASES if INDEX["cases"][name]["config"].get("k_rounding", "nearest") == "nearest"]
@@ -58,7 +57,7 @@ def assert_same_bits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     got, want = got.cpu(), want.cpu()
     assert got.dtype == want.dtype and got.shape == want.shape, what
     if got.dtype.is_floating_point:
-        ints = {2: torch.int16, 4: torch.int32}[got.element_size()]
+        ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
         got, want = got.view(ints), want.view(ints)
     mismatches = int((got != want).sum())
     assert mismatches == 0, f"{what}: {mismatches} of {got.numel()} differ"
@@ -88,8 +87,9 @@ def test_quantize_pack_matches_golden_codec_vectors(name):
 # -- (b) randomized cases against codec.quantize --------------------------------------------
 
 
-def random_vectors(gen, n, d, cluster_dim, bits, dtype):
-    x = torch.randn(n, d, generator=gen) * torch.logspace(-4, 3, n).unsqueeze(-1)
+def random_vectors(gen, n, d, cluster_dim, bits, dtype, top=3.0):
+    """Rows of magnitude 1e-4 to 10**top, then constant, tie and duplicate rows."""
+    x = torch.randn(n, d, generator=gen) * torch.logspace(-4, top, n).unsqueeze(-1)
     x[0] = 0.0
     x[1] = -3.25  # constant vectors: scale 0, every code 0
     x[2, :cluster_dim] = 0.5  # one constant group beside random ones
@@ -114,13 +114,16 @@ RANDOM_CASES = [
     (4, 32, 128, 0.5, True, "float16", torch.float16),
     (4, 64, 64, 1.0, False, "bfloat16", torch.float32),
     (4, 128, 128, 0.96, True, "float16", torch.float16),
+    (2, 64, 128, 1.0, False, "float8_e4m3fn", torch.float16),
+    (3, 32, 64, 0.9, True, "float8_e4m3fn", torch.float32),
 ]
 
 
 @pytest.mark.parametrize("bits,cluster_dim,d,clip,lloyd,scale_dtype,dtype", RANDOM_CASES)
 def test_quantize_pack_matches_codec_on_random_inputs(bits, cluster_dim, d, clip, lloyd, scale_dtype, dtype):
     gen = torch.Generator().manual_seed(bits * 1000 + cluster_dim + d)
-    x = random_vectors(gen, 37, d, cluster_dim, bits, dtype)  # 37 rows: a partial last block
+    # 37 rows: a partial last block; fp8 scales stop at 448, so its rows stay below that
+    x = random_vectors(gen, 37, d, cluster_dim, bits, dtype, 1.5 if scale_dtype == "float8_e4m3fn" else 3.0)
     levels = None
     if lloyd:
         levels = fit_lloyd_max_levels(torch.rand(4000, generator=gen) ** 2 * (2**bits - 1), bits, iterations=10)
@@ -149,7 +152,7 @@ def test_quantize_pack_rejects_what_the_codec_rejects():
 # -- (c, d) decode attention replays the golden caches: tests/ops/test_conformance.py (triton-*) --------
 
 
-# -- splits, GQA groups, bf16 scales and the fp16-body baseline on a longer body ---------------
+# -- splits, GQA groups, bf16 and fp8 scales and the fp16-body baseline on a longer body -------
 
 
 def orthogonal(gen, d):
@@ -163,6 +166,8 @@ def orthogonal(gen, d):
         (OscarConfig(k_bits=3, v_bits=4, cluster_dim=32, codebook="lloyd-max", k_clip=0.96, sink=4, recent=8,
                      scale_dtype="bfloat16"), 96, 8, 2),
         (OscarConfig(k_bits=2, v_bits=2, cluster_dim=64, sink=0, recent=0), 64, 3, 3),
+        (OscarConfig(k_bits=3, v_bits=2, cluster_dim=32, k_clip=0.92, sink=2, recent=4, scale_dtype="float8_e4m3fn"),
+         64, 6, 2),
     ],
 )
 def test_split_k_decode_matches_reference_over_a_long_body(cfg, d, hq, hkv):
@@ -247,11 +252,25 @@ def test_feedback_rounding_decodes_with_the_kernel_and_appends_through_the_refer
                              append="triton")
 
 
-def test_fp8_scales_are_refused_with_the_reason():
-    with pytest.raises(OscarInputError, match="scale_dtype='float8_e4m3fn': expected one of .* Triton"):
-        quantize_pack(torch.zeros(2, 64, device=DEVICE), 2, 64, scale_dtype="float8_e4m3fn")
-    cache = OscarKVCache(OscarConfig(scale_dtype="float8_e4m3fn", sink=1, recent=1), 1, 2, 64, 8, device=DEVICE)
-    cache.attend(0, *(torch.randn(h, 4, 64).to(DEVICE) for h in (4, 2, 2)))
-    with pytest.raises(OscarInputError, match="body scales are torch.float8_e4m3fn: expected one of"):
-        triton_decode_attend(cache, 0, *(torch.randn(h, 1, 64).to(DEVICE) for h in (4, 2, 2)))
-    assert cache.length[0] == 4
+def test_fp8_scales_round_as_the_codec_at_every_value_and_tie():
+    """Constant groups store their value as the zero: every finite E4M3 value up to 448, both signs, the midpoints
+    between neighbours (ties, rounded to even) and one fp32 step either side of each, subnormals included."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    finite = codes[torch.isfinite(codes) & (codes.abs() <= 448)].unique()
+    mid = (finite[1:] + finite[:-1]) / 2
+    values = torch.cat([finite, mid, torch.nextafter(mid, torch.tensor(-1e9)), torch.nextafter(mid, torch.tensor(1e9))])
+    x = values[:, None].expand(-1, 32).contiguous()
+    want = quantize(x, 2, 32, 1.0, None, "float8_e4m3fn")
+    assert_same_quantized(quantize_pack(x.to(DEVICE), 2, 32, 1.0, None, "float8_e4m3fn"), want)
+
+
+def test_fp8_scales_past_their_range_are_refused_as_the_codec_refuses_them():
+    x = torch.tensor([[0.0] * 63 + [3 * 449.0]])  # scale 449
+    with pytest.raises(OscarInputError) as codec_error:
+        quantize(x, 2, 64, 1.0, None, "float8_e4m3fn")
+    with pytest.raises(OscarInputError) as kernel_error:
+        quantize_pack(x.to(DEVICE), 2, 64, scale_dtype="float8_e4m3fn")
+    assert str(kernel_error.value) == str(codec_error.value)
+    assert "scale_dtype=float8_e4m3fn (max 448)" in str(kernel_error.value)
+    with pytest.raises(OscarInputError, match="max 448"):
+        quantize_pack(torch.full((1, 64), -449.0, device=DEVICE), 2, 64, scale_dtype="float8_e4m3fn")  # the zero
