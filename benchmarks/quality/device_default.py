@@ -1,7 +1,7 @@
 """The cache format an export without format flags chooses for a device and context (issue 53's table), and what it
 costs on SmolLM2-135M-Instruct against fp16 and KIVI-2 at the same windows.
 
-    nice -n 10 .venv/bin/python -m benchmarks.quality.device_default        # about 45 minutes on 2 cores
+    nice -n 10 .venv/bin/python -m benchmarks.quality.device_default        # about an hour on 2 cores
 
 Each row is a target, a device memory and a context. Its format is chosen the way the export chooses it
 (evaluate.budget.device_calibration: the bits the device leaves, at most 3.0, the budget search with the target's
