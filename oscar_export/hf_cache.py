@@ -45,9 +45,9 @@ def attention_shape(model) -> tuple[int, int, int, int]:
     return cfg.num_hidden_layers, cfg.num_key_value_heads or heads, head_dim, heads
 
 
-def check_backend(backend: str, config: OscarConfig) -> None:
-    """A backend this cache format can run on; importing the Triton kernels fails early, with triton's own message,
-    where triton is missing."""
+def check_backend(backend: str) -> None:
+    """A known backend (every one runs every cache format); importing the Triton kernels fails early, with triton's
+    own message, where triton is missing."""
     if backend not in BACKENDS:
         raise OscarInputError(f"backend={backend!r}: expected one of {BACKENDS}")
     if backend == "triton":
@@ -110,7 +110,7 @@ class OscarCache(Cache):
         rotations = rotations if rotations is not None else (settings.rotations if settings else "none")
         max_context = max_context or (settings.max_context if settings else None)
         self.backend = backend or (settings.backend if settings else "reference")
-        check_backend(self.backend, config)
+        check_backend(self.backend)
         if self.backend == "triton":
             from .kernels import triton_oscar
 
@@ -240,7 +240,7 @@ def patch_model_for_kv_quant(
     head_dim = attention_shape(model)[2]
     cfg = config or config_for({} if resolved in ROTATION_MODES else resolved.metadata, head_dim)
     cfg.check_head_dim(head_dim)
-    check_backend(backend, cfg)
+    check_backend(backend)
     model.oscar = OscarSettings(cfg, resolved, max_context, backend)
     model.set_attn_implementation(ATTENTION_IMPLEMENTATION)
     if not hasattr(model, "_generate_without_oscar"):

@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from oscar_export.calibration.cached import DEFAULT_TOKENS
 from oscar_export.calibration.files import load_rotations
 from oscar_export.evaluate.budget import device_calibration
 from oscar_export.models import model_shape
@@ -34,12 +35,11 @@ from benchmarks.common import GGUF, log, machine
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = ("laptop:8GB:8192", "android:8GB:8192", "ios:8GB:8192", "android:197MB:8192")
-CALIBRATION_TOKENS = 16384  # calibration.cached.DEFAULT_TOKENS: the export's
 
 
 def evaluate(rotations: Path, methods: str) -> dict:
     command = [sys.executable, "-m", "oscar_export", "eval", "--model", str(GGUF), "--rotations", str(rotations),
-               "--calibration-tokens", str(CALIBRATION_TOKENS), "--methods", methods, "--contexts", "2048,4096,8192",
+               "--calibration-tokens", str(DEFAULT_TOKENS), "--methods", methods, "--contexts", "2048,4096,8192",
                "--metrics", "perplexity,needle", "--needle-seeds", "4", "--json"]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     return json.loads(done.stdout)["methods"]
