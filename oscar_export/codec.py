@@ -109,15 +109,19 @@ def group_scale_zero(
         # fp8 has no inf and torch's cast saturates: a magnitude past the largest finite value is refused here.
         limit = torch.finfo(dtype).max
         if bool((scale > limit).any()) or bool((lo.abs() > limit).any()):
-            raise OscarInputError(f"values exceed the range of scale_dtype={scale_dtype} (max {limit:g}): expected "
-                                  f"smaller magnitudes or scale_dtype='float16'")
+            raise scale_range_error(scale_dtype)
     scale, zero = scale.to(dtype), lo.to(dtype)
     if not (bool(torch.isfinite(scale.float()).all()) and bool(torch.isfinite(zero.float()).all())):
-        raise OscarInputError(
-            f"values exceed the range of scale_dtype={scale_dtype} "
-            f"(max {torch.finfo(dtype).max:g}): expected smaller magnitudes or scale_dtype='float32'"
-        )
+        raise scale_range_error(scale_dtype)
     return scale, zero
+
+
+def scale_range_error(scale_dtype: str) -> OscarInputError:
+    """The error for a group whose scale or zero scale_dtype cannot hold, as every backend words it."""
+    wider = "float16" if scale_dtype == "float8_e4m3fn" else "float32"
+    return OscarInputError(f"values exceed the range of scale_dtype={scale_dtype} "
+                           f"(max {torch.finfo(torch_scale_dtype(scale_dtype)).max:g}): expected smaller magnitudes "
+                           f"or scale_dtype='{wider}'")
 
 
 def encode(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:

@@ -294,16 +294,23 @@ def _triton_attend(case, cache, q, k, v, length, append="reference"):
 
 
 def _coreml_attend(case, cache, q, k, v, length):
-    from oscar_export.ops.coreml import ROW_NAMES, apply_rows, attention_rows
+    from oscar_export.ops.coreml import ROW_NAMES, apply_rows, attention_rows, fp8_word_count
 
     cfg = case.config
-    # Core ML holds the codes as int32 words: views, so apply_rows writes `cache`.
+    # Core ML holds the codes as int32 words: views, so apply_rows writes `cache`. fp8 scales and zeros are padded
+    # to whole words, so they are copied in and back.
+    fp8 = [name for name in SCALE_NAMES if cfg.scale_dtype == "float8_e4m3fn"]
     words = {name: a.view(np.int32) if name.endswith("_codes") else a for name, a in cache.items()}
+    for name in fp8:
+        words[name] = np.zeros((len(cache[name]), fp8_word_count(*cache[name].shape[1:])), np.int32)
+        words[name].view(np.uint8)[:, :cache[name][0].size] = cache[name].reshape(len(cache[name]), -1)
     out, *rows = attention_rows(
         *(torch.from_numpy(x) for x in (q, k, v)), *(torch.from_numpy(words[name]) for name in CACHE_NAMES),
         torch.from_numpy(cache["k_levels"]), torch.from_numpy(cache["v_levels"]), torch.from_numpy(cache["k_feedback"]),
         torch.tensor([length], dtype=torch.int32), *op_attributes(cfg, case.scaling).values())
     apply_rows(words, {name: r.numpy() for name, r in zip(ROW_NAMES, rows)}, length, cfg.sink, cfg.recent)
+    for name in fp8:
+        cache[name][...] = words[name].view(np.uint8)[:, :cache[name][0].size].reshape(cache[name].shape)
     return out.numpy()
 
 
@@ -380,7 +387,7 @@ BACKENDS = (
               options=dict(append=append), new_cache=_triton_cache, final=_triton_final)
       for append, cases in (("reference", tuple(c for c in TRITON_CASES if c not in TRITON_APPENDS)),
                             ("triton", TRITON_APPENDS))),
-    Backend("coreml-rows", _coreml_attend, 1e-4),
+    Backend("coreml-rows", _coreml_attend, 1e-4, cases=tuple(OP_GOLDEN)),
     Backend("onnx-fallback", _fallback_attend, 1e-4, cases=tuple(OP_GOLDEN), missing=_fallback_missing),
 )
 BACKEND = {backend.name: backend for backend in BACKENDS}

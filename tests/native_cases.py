@@ -22,8 +22,8 @@ from oscar_export.sizes import capacities
 
 VECTORS = Path(__file__).parent / "vectors"
 INDEX = json.loads((VECTORS / "index.json").read_text())
-# The op (the native core, its ONNX Runtime and ExecuTorch adapters, the torch op) stores fp16 or fp8 (E4M3)
-# scales: OP_GOLDEN. The Core ML and pure-ONNX lowerings keep fp16 ones: GOLDEN. bf16 and fp32 scales stay
+# The op (the native core, its ONNX Runtime and ExecuTorch adapters, the torch op, the Core ML and pure-ONNX
+# lowerings) stores fp16 or fp8 (E4M3) scales: OP_GOLDEN; GOLDEN is the fp16 ones. bf16 and fp32 scales stay
 # with the reference and the Triton kernels.
 GOLDEN = sorted(name for name, meta in INDEX["cases"].items() if meta["config"]["scale_dtype"] == "float16")
 OP_GOLDEN = sorted(name for name, meta in INDEX["cases"].items()

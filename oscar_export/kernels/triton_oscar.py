@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..codec import Quantized, check_finite, check_levels, dequantize, thresholds, torch_scale_dtype, uniform_levels
+from ..codec import (Quantized, check_finite, check_levels, dequantize, scale_range_error, thresholds,
+                     torch_scale_dtype, uniform_levels)
 from ..sizes import packed_bytes
 from ..config import SCALE_DTYPES, SUPPORTED_BITS, SUPPORTED_CLUSTER_DIMS, OscarInputError
 
@@ -255,10 +256,7 @@ def quantize_pack(
         )
     scale, zero = scale.view(sdt), zero.view(sdt)
     if check and not (bool(torch.isfinite(scale.float()).all()) and bool(torch.isfinite(zero.float()).all())):
-        raise OscarInputError(
-            f"values exceed the range of scale_dtype={scale_dtype} (max {torch.finfo(sdt).max:g}): expected smaller "
-            f"magnitudes or scale_dtype='{'float16' if sdt == torch.float8_e4m3fn else 'float32'}'"
-        )
+        raise scale_range_error(scale_dtype)
     return Quantized(
         codes.reshape(*lead, codes.shape[-1]), scale.reshape(*lead, groups), zero.reshape(*lead, groups)
     )

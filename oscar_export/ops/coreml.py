@@ -9,6 +9,9 @@ ops (`attention_rows`). Two Core ML constraints shape it (../docs/ios.md):
   2048), so the one integer division used here is the custom op `oscar::int_floor_div`, which
   `register_coreml_ops` maps to MIL `floor_div` on int32. Operands are kept non-negative, so
   floor and truncating division agree.
+- fp8 E4M3 scales and zeros travel as int32 words too (their bytes in the format's [H, B, G] order, 4 to a
+  word, the last word zero-padded), so one byte each stays one byte. They are decoded by a 256-entry table and
+  encoded by counting the midpoints between E4M3 values that a magnitude passes, since Core ML has no bitcast.
 - A Core ML model cannot write its inputs and its states are fp16 only. So the cache is an input
   and the outputs are the rows a chunk adds: its fp16 K/V (for the sink and the recent ring) and
   the packed body rows of the positions that leave the ring. The host writes them into its buffers
@@ -23,9 +26,12 @@ from torch.overrides import TorchFunctionMode
 
 from ..config import OscarInputError
 from ..sizes import KINDS
+from ..codec import scale_range_error
 from .attention import ATTRIBUTES, attribute_config
 
 INT32_MIN = -(2**31)
+# The scale dtypes the rows store: fp16 as itself, fp8 E4M3 as bytes in int32 words.
+SCALE_DTYPES = ("float16", "float8_e4m3fn")
 # Per layer and kind, the outputs of attention_rows after `out`, in order.
 ROW_NAMES = ("k_new", "v_new", "k_body_codes", "k_body_scale", "k_body_zero", "v_body_codes", "v_body_scale",
              "v_body_zero")
@@ -118,28 +124,77 @@ def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return bytes_to_words(byte)
 
 
+# -- fp8 E4M3 scales and zeros: each byte an int32 0..255 in the rows, 4 to an int32 word in the cache --------
+
+# Every byte's value (0x7F and 0xFF are NaN), and the midpoints between consecutive non-negative finite values.
+FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+_FP8_MIDPOINTS = (FP8_VALUES[:126] + FP8_VALUES[1:127]) * 0.5
+_FP8_TIE_UP = torch.arange(126) % 2 == 1  # a value on a midpoint rounds to the even byte: up from an odd one
+FP8_MAX = 448.0
+FP8_NAN = (0x7F, 0xFF)
+
+
+def fp8_word_count(rows: int, groups: int) -> int:
+    """int32 words holding rows x groups fp8 bytes (the last word zero-padded)."""
+    return -(-rows * groups // 4)
+
+
+def fp8_bytes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> each value's E4M3FN byte as int32 0..255, rounded to nearest even as torch's cast rounds. A magnitude
+    past FP8_MAX gives a NaN byte, which the host refuses (apply_rows), as the codec refuses the value."""
+    magnitude = torch.abs(x)
+    m = magnitude.unsqueeze(-1)
+    passed = torch.where(_FP8_TIE_UP, m >= _FP8_MIDPOINTS, m > _FP8_MIDPOINTS).to(torch.int32)
+    code = passed.sum(-1, dtype=torch.int32) + (magnitude > FP8_MAX).to(torch.int32)
+    # 1/x keeps the sign of a zero, which torch's cast stores (0x80 for -0.0). A tensor numerator: torch turns
+    # 1/x into reciprocal, which coremltools converts with an epsilon added to x.
+    negative = (torch.tensor(1.0) / x < 0).to(torch.int32)
+    return code + negative * 128
+
+
+def fp8_values(byte: torch.Tensor) -> torch.Tensor:
+    """int32 bytes 0..255 -> their E4M3FN values in fp32, same shape."""
+    return FP8_VALUES[byte.flatten()].reshape(byte.shape)
+
+
+def fp8_from_words(words: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
+    """int32 words [..., fp8_word_count(rows, groups)] -> fp32 [..., rows, groups]."""
+    byte = words_to_bytes(words).flatten(-2)[..., :rows * groups]
+    return fp8_values(byte).reshape(*words.shape[:-1], rows, groups)
+
+
 # -- codec: format.md section 3 --------------------------------------------------------------------
 
 
-def dequantize(words, scale, zero, levels, bits: int, cluster_dim: int) -> torch.Tensor:
-    """Body rows -> fp32 [H, rows, D]: zero + scale * level[code]."""
+def dequantize(words, scale, zero, levels, bits: int, cluster_dim: int, scale_dtype: str) -> torch.Tensor:
+    """Body rows -> fp32 [H, rows, D]: zero + scale * level[code]. scale, zero: fp16 [H, rows, G], or for fp8 int32
+    words (fp8_from_words)."""
     codes = unpack_words(words, bits)
-    values = levels[codes.flatten()].reshape(*codes.shape[:-1], codes.shape[-1] // cluster_dim, cluster_dim)
+    rows, groups = codes.shape[-2], codes.shape[-1] // cluster_dim
+    values = levels[codes.flatten()].reshape(*codes.shape[:-1], groups, cluster_dim)
+    if scale_dtype == "float8_e4m3fn":
+        scale, zero = (fp8_from_words(w, rows, groups) for w in (scale, zero))
     out = zero.float().unsqueeze(-1) + scale.float().unsqueeze(-1) * values
     return out.flatten(-2)
 
 
-def quantize(x: torch.Tensor, levels, bits: int, cluster_dim: int, clip: float, feedback=None):
-    """fp32 [H, n, D] -> (int32 words, fp16 scale, fp16 zero), bit-exact with codec.quantize. feedback [H, D, D]:
-    the codes with error feedback (format.md section 3, step 5), unrolled over the channels."""
+def quantize(x: torch.Tensor, levels, bits: int, cluster_dim: int, clip: float, scale_dtype: str, feedback=None):
+    """fp32 [H, n, D] -> (int32 words, scale, zero), bit-exact with codec.quantize; scale and zero [H, n, G] are fp16,
+    or for fp8 their bytes as int32. feedback [H, D, D]: the codes with error feedback (format.md section 3,
+    step 5), unrolled over the channels."""
     g = x.reshape(*x.shape[:-1], x.shape[-1] // cluster_dim, cluster_dim)
     lo, hi = g.amin(-1), g.amax(-1)
     if clip < 1.0:
         mid = (hi + lo) * 0.5
         half = (hi - lo) * torch.tensor(0.5 * clip, dtype=torch.float32)
         lo, hi = mid - half, mid + half
-    scale, zero = ((hi - lo) / float(2**bits - 1)).half(), lo.half()
-    s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
+    scale = (hi - lo) / float(2**bits - 1)
+    if scale_dtype == "float8_e4m3fn":
+        scale, zero = fp8_bytes(scale), fp8_bytes(lo)
+        s, z = fp8_values(scale).unsqueeze(-1), fp8_values(zero).unsqueeze(-1)
+    else:
+        scale, zero = scale.half(), lo.half()
+        s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)
     thresholds = (levels[:-1] + levels[1:]) * 0.5
 
     def codes_of(value, s, z):
@@ -181,9 +236,9 @@ def attention_rows(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes,
     """
     config = attribute_config(dict(zip(ATTRIBUTES, (k_bits, v_bits, cluster_dim, sink, recent, k_clip, v_clip,
                                                     scaling, codebook, k_rounding, scale_dtype), strict=True)))
-    if config.scale_dtype != "float16":
-        raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected 'float16', the scales the Core ML rows "
-                              "store")
+    if config.scale_dtype not in SCALE_DTYPES:
+        raise OscarInputError(f"scale_dtype={config.scale_dtype!r}: expected one of {SCALE_DTYPES}, the scales the "
+                              "Core ML rows store")
     # v_new arrives as a transposed view; contiguous copies keep the traced shapes free of stride guards.
     q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
     heads, t, d = k_new.shape
@@ -197,7 +252,7 @@ def attention_rows(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes,
     keys = {}
     for kind in KINDS:
         sink_buf, ring, words, scale, zero = cache[kind]
-        body = dequantize(words, scale, zero, levels[kind], bits[kind], cluster_dim)
+        body = dequantize(words, scale, zero, levels[kind], bits[kind], cluster_dim, config.scale_dtype)
         keys[kind] = torch.cat([sink_buf.float(), body, ring.float(), new[kind].float()], dim=1)
     chunk = torch.arange(t, dtype=torch.int32)
     filled, empty = _i32(-1), _i32(2**30)  # ranks: a filled slot is seen by every query, an empty one by none
@@ -227,7 +282,7 @@ def attention_rows(q, k_new, v_new, k_sink, v_sink, k_recent, v_recent, k_codes,
         idx = torch.where(idx < src.shape[1], idx, _i32(0))  # rows past the real ones read any valid row
         values = torch.index_select(src, 1, idx).float()
         feedback = k_feedback if kind == "k" and config.k_rounding == "feedback" else None
-        rows[kind] = quantize(values, levels[kind], bits[kind], cluster_dim, clip[kind], feedback)
+        rows[kind] = quantize(values, levels[kind], bits[kind], cluster_dim, clip[kind], config.scale_dtype, feedback)
     return (out, k_new, v_new, *rows["k"], *rows["v"])
 
 
@@ -247,18 +302,29 @@ class RowsComposition(TorchFunctionMode):
 def apply_rows(cache: dict[str, np.ndarray], rows: dict[str, np.ndarray], n0: int, sink: int, recent: int) -> None:
     """Write one layer's chunk outputs into its buffers by the placement rule (format.md section 5).
 
-    cache: k_sink ... v_zero of one layer (codes as int32 words); rows: ROW_NAMES of that layer.
+    cache: k_sink ... v_zero of one layer (codes, and fp8 scales and zeros, as int32 words); rows: ROW_NAMES of
+    that layer. A NaN fp8 scale or zero (a group the format cannot hold) is refused before anything is written.
     """
     t = rows["k_new"].shape[1]
     n1 = n0 + t
     first, last = max(sink, n0 - recent), max(sink, n1 - recent)
+    fp8 = [f"{kind}_{region}" for kind in KINDS for region in ("scale", "zero") if cache[f"{kind}_{region}"].dtype ==
+           np.int32]
+    if last > first and any(np.isin(rows[f"{name[0]}_body_{name[2:]}"][:, :last - first], FP8_NAN).any()
+                            for name in fp8):
+        raise scale_range_error("float8_e4m3fn")
     for kind in KINDS:
         chunk = rows[f"{kind}_new"]
         if n0 < min(sink, n1):
             cache[f"{kind}_sink"][:, n0:min(sink, n1)] = chunk[:, :min(sink, n1) - n0]
         if last > first:
             for region in ("codes", "scale", "zero"):
-                cache[f"{kind}_{region}"][:, first - sink:last - sink] = rows[f"{kind}_body_{region}"][:, :last - first]
+                name, new = f"{kind}_{region}", rows[f"{kind}_body_{region}"][:, :last - first]
+                if name in fp8:  # bytes in the format's [H, B, G] order inside the words
+                    g = new.shape[-1]
+                    cache[name].view(np.uint8)[:, (first - sink) * g:(last - sink) * g] = new.reshape(len(new), -1)
+                else:
+                    cache[name][:, first - sink:last - sink] = new
         ring_from = max(sink, n1 - recent, n0)
         if recent and ring_from < n1:
             positions = np.arange(ring_from, n1)

@@ -60,7 +60,8 @@ def test_plan_table_and_cache_flags():
         (["plan", "--k-clip", "2"], "k_clip=2.0"),
         (["plan", "--scale-dtype", "int8"], "--scale-dtype"),
         (["--target", "laptop", "--scale-dtype", "float8"], "--scale-dtype: invalid choice"),
-        (["--target", "ios", "--scale-dtype", "float8_e4m3fn"], "scale_dtype='float8_e4m3fn': expected 'float16'"),
+        (["--target", "ios", "--scale-dtype", "bfloat16"],
+         "scale_dtype='bfloat16': expected 'float16' or 'float8_e4m3fn'"),
         (["report", "--text", "/no/such/file.txt"], "text file '/no/such/file.txt'"),
     ],
 )

@@ -304,7 +304,7 @@ def test_plan_shows_the_budget_the_target_searches_within(capsys):
     assert choice["target"] == "android" and choice["scale_dtype"] == "float8_e4m3fn"
     assert choice["budget_bits"] == math.floor(min(choice["available_bits"], 3.0) * 100) / 100
     assert main(["plan", "--target", "ios", "--model", "llama-3-8b", "--context", "8192", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["format_choice"]["scale_dtype"] == "float16"
+    assert json.loads(capsys.readouterr().out)["format_choice"]["scale_dtype"] == "float8_e4m3fn"
     # A format flag is an explicit format: nothing is chosen.
     assert main(["plan", "--target", "ios", "--model", "llama-3-8b", "--bits", "2", "--json"]) == 0
     assert "format_choice" not in json.loads(capsys.readouterr().out)

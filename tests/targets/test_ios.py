@@ -24,6 +24,7 @@ from oscar_export.ops import coreml as coreml_ops  # noqa: E402
 from oscar_export.export.artifact import eager_module, load_manifest  # noqa: E402
 from oscar_export.targets.ios.runner import CoreMLLM, coreml_available, load  # noqa: E402
 from oscar_export.export.graph import OscarCausalLM  # noqa: E402
+from oscar_export.ops.attention import CACHE_NAMES, op_attributes  # noqa: E402
 from oscar_export.export.pipeline import export_artifact  # noqa: E402
 from oscar_export.run import reference_trace  # noqa: E402
 from oscar_export.targets import get  # noqa: E402
@@ -73,8 +74,8 @@ def body_codes_mismatches(lm: CoreMLLM, reference: dict, artifact) -> dict[str, 
 @pytest.mark.float_paths
 def test_composition_matches_random_reference_sequences():
     rng = np.random.default_rng(5)
-    for i in range(12):
-        case = random_case(rng, i)
+    for i in range(16):
+        case = random_case(rng, i, scale_dtypes=("float16", "float8_e4m3fn"))
         worst, cache = replay(BACKEND["coreml-rows"], case)
         assert worst <= 1e-4, f"{case.name} ({case.config}): {worst:.3g}"
         assert_final_cache(case, cache)
@@ -95,6 +96,89 @@ def test_int32_words_unpack_every_bit_pattern():
         codes = coreml_ops.unpack_words(words, bits)
         assert torch.equal(codes, want), bits
         assert torch.equal(coreml_ops.pack_words(codes, bits), words), bits
+
+
+def fp8_edge_values() -> torch.Tensor:
+    """Every finite E4M3 value, the midpoints between neighbours (ties), one fp32 step either side of each, both
+    signs, -0.0, fp32 subnormals and log-spaced values, and magnitudes just past 448."""
+    finite = coreml_ops.FP8_VALUES[:127]
+    mid = (finite[1:] + finite[:-1]) / 2
+    steps = [torch.nextafter(v, torch.tensor(t)) for v in (finite, mid) for t in (-1e9, 1e9)]
+    spread = torch.logspace(-44, 2.7, 4001, base=10.0)
+    tail = torch.tensor([448.0, 449.0, 464.0, 1e9])
+    positive = torch.cat([finite, mid, *steps, spread, tail]).float()
+    return torch.cat([positive, -positive, torch.tensor([-0.0, 1e-45, -1e-45])])
+
+
+@pytest.mark.float_paths
+def test_fp8_bytes_round_as_torch_casts():
+    """The compare-and-count encoder gives torch's E4M3FN byte for every value up to 448 (ties to even, the sign of
+    -0.0) and a NaN byte past it, which apply_rows refuses; the 256-entry table decodes every byte."""
+    x = fp8_edge_values()
+    got = coreml_ops.fp8_bytes(x)
+    inside = x.abs() <= 448
+    want = x[inside].to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
+    assert torch.equal(got[inside], want)
+    assert torch.equal(got[~inside], torch.where(x[~inside] < 0, 0xFF, 0x7F).to(torch.int32))
+    everything = torch.arange(256, dtype=torch.uint8)
+    torch.testing.assert_close(coreml_ops.fp8_values(everything.to(torch.int32)),
+                               everything.view(torch.float8_e4m3fn).float(), rtol=0, atol=0, equal_nan=True)
+
+
+class Fp8Encode(torch.nn.Module):
+    """The fp8 scale path alone: values -> bytes, and bytes -> words -> values, as the program's outputs."""
+
+    def forward(self, x, words):
+        return coreml_ops.fp8_bytes(x), coreml_ops.fp8_from_words(words, 3, 2)
+
+
+def test_fp8_bytes_convert_to_an_integer_program():
+    """Converted by coremltools and executed by mil_eval: the same bytes as torch's cast, words decoded in the
+    format's order, and every op between the comparisons and the bytes integer."""
+    coreml_ops.register_coreml_ops()
+    x = fp8_edge_values()
+    raw = torch.tensor([[0x38, 0xB8, 0x01, 0x7E, 0xFE, 0x80, 0x11, 0x22]], dtype=torch.uint8)  # 6 bytes + padding
+    words = raw.view(torch.int32)
+    program = torch.export.export(Fp8Encode(), (x, words)).run_decompositions({})
+    mil = ct.convert(program, convert_to="milinternal", minimum_deployment_target=ct.target.iOS18,
+                     compute_precision=ct.precision.FLOAT32)
+    names = [var.name for var in mil.functions["main"].outputs]
+    out = MilProgram(mil).run({"x": x.numpy(), "words": words.numpy()})
+    inside = x.abs() <= 448
+    assert np.array_equal(out[names[0]][inside.numpy()],
+                          x[inside].to(torch.float8_e4m3fn).view(torch.uint8).numpy().astype(np.int32))
+    assert np.array_equal(out[names[1]], raw[:, :6].view(torch.float8_e4m3fn).float().reshape(1, 3, 2).numpy())
+    assert ios_lower.packed_float_ops(mil, ["words"], [names[0]]) == []
+
+
+@pytest.mark.float_paths
+def test_fp8_scales_past_448_are_refused_before_the_cache_is_written():
+    """A chunk whose group range needs a scale past 448: the rows carry NaN bytes and apply_rows refuses them with
+    the codec's message, leaving the app's buffers as they were."""
+    cfg = OscarConfig(sink=0, recent=0, cluster_dim=32, scale_dtype="float8_e4m3fn", k_rounding="nearest")
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((1, 2, 32)).astype(np.float16)
+    k[0, 1, 0] = 3 * 449  # the second row's scale
+    v = np.ones((1, 2, 32), np.float16)
+    words = {"k_sink": np.zeros((1, 0, 32), np.float16), "v_sink": np.zeros((1, 0, 32), np.float16),
+             "k_recent": np.zeros((1, 0, 32), np.float16), "v_recent": np.zeros((1, 0, 32), np.float16),
+             "k_codes": np.zeros((1, 4, 2), np.int32), "v_codes": np.zeros((1, 4, 2), np.int32),
+             **{name: np.zeros((1, 1), np.int32) for name in ("k_scale", "k_zero", "v_scale", "v_zero")}}
+    levels = torch.tensor([-1.5, -0.5, 0.5, 1.5])
+    out, *rows = coreml_ops.attention_rows(
+        torch.zeros(1, 2, 32), torch.from_numpy(k.astype(np.float32)).half(), torch.from_numpy(v),
+        *(torch.from_numpy(words[name]) for name in CACHE_NAMES), levels, levels, torch.zeros(0),
+        torch.tensor([0], dtype=torch.int32), *op_attributes(cfg, 1.0).values())
+    rows = {name: r.numpy() for name, r in zip(coreml_ops.ROW_NAMES, rows)}
+    assert rows["k_body_scale"][0, 1, 0] == 0x7F
+    with pytest.raises(OscarInputError) as err:
+        coreml_ops.apply_rows(words, rows, 0, 0, 0)
+    from oscar_export.codec import quantize
+
+    with pytest.raises(OscarInputError) as codec_err:
+        quantize(torch.from_numpy(k.astype(np.float32)), 2, 32, 1.0, None, "float8_e4m3fn")
+    assert str(err.value) == str(codec_err.value) and "max 448" in str(err.value)
+    assert all(not array.any() for array in words.values())
 
 
 # -- the converted program, executed in numpy ---------------------------------------------------
@@ -226,11 +310,14 @@ def test_cache_bits_per_element_at_32k():
     for model, cfg, head_dim in ((tiny_model("llama"), OscarConfig(), 64),
                                  (tiny_model("llama", head_dim=128), OscarConfig(cluster_dim=128), 128),
                                  (tiny_model("llama", head_dim=128), OscarConfig(cluster_dim=128, sink=16, recent=64),
-                                  128)):
+                                  128),
+                                 (tiny_model("llama"), OscarConfig(scale_dtype="float8_e4m3fn", sink=16, recent=32),
+                                  64)):
         module = OscarCausalLM(model, cfg, "hadamard")
         layout = ios_lower.cache_inputs(module, 32768)
         got = cache_bits_per_element(layout, 2, 2, head_dim, 32768)
-        print(f"head_dim {head_dim}, cluster_dim {cfg.cluster_dim}, sink {cfg.sink} + recent {cfg.recent}: "
+        print(f"head_dim {head_dim}, cluster_dim {cfg.cluster_dim}, sink {cfg.sink} + recent {cfg.recent}, "
+              f"{cfg.scale_dtype} scales: "
               f"{got:.4f} bits per K/V element at 32K")
         assert got == pytest.approx(bits_per_element(cfg, head_dim, 32768), rel=1e-12)
     assert got <= 2.3
@@ -292,8 +379,8 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
                          (["--target", "ios", "--context", "300", "--bits", "2", "--out", str(tmp_path / "a")],
                           "no packed body"),
                          (["--target", "ios", "--recent", "0", "--out", str(tmp_path / "b")], "--recent 0"),
-                         (["--target", "ios", "--scale-dtype", "float8_e4m3fn", "--out", str(tmp_path / "c")],
-                          "scale_dtype='float8_e4m3fn': expected 'float16'"),
+                         (["--target", "ios", "--scale-dtype", "float32", "--out", str(tmp_path / "c")],
+                          "scale_dtype='float32': expected 'float16' or 'float8_e4m3fn'"),
                          (["parity", "--artifact", str(tmp_path)], "manifest.json")]:
         assert main(args) == 2, args
         err = capsys.readouterr().err
@@ -331,15 +418,23 @@ def test_coreml_predict_matches_the_eager_graph(artifact, prompt, reference):
     assert_within_bounds(body_codes_mismatches(lm, reference, artifact), "coreml")
 
 
-def test_per_layer_key_bits_run_in_the_mil_program(tmp_path, prompt):
-    """K's width per layer (calibrate --budget-bits may choose it): each layer's rows and app-held words take
-    their own width, and the program gives the eager graph's tokens, logits and, up to counted rounding, codes."""
-    mixed = dict(k_bits=2, v_bits=2, cluster_dim=64, sink=16, recent=32, k_bits_by_layer=(2, 3, 4, 2),
-                 k_clip_by_layer=(1.0, 0.9, 1.0, 0.8))
-    manifest = export_artifact(get("ios"), "bundled", tmp_path / "mixed", "hadamard", 200, float_weights=True,
+def test_per_layer_key_bits_and_fp8_scales_run_in_the_mil_program(tmp_path, prompt):
+    """K's width per layer and fp8 scales (the device default may choose both): each layer's rows and app-held
+    words take their own width, fp8 scales and zeros travel as bytes in int32 words, every op on them is integer,
+    and the program gives the eager graph's tokens, logits and, up to counted rounding, codes."""
+    mixed = dict(k_bits=2, v_bits=2, cluster_dim=32, sink=16, recent=32, k_bits_by_layer=(2, 3, 4, 2),
+                 k_clip_by_layer=(1.0, 0.9, 1.0, 0.8), scale_dtype="float8_e4m3fn")
+    # context 199: 151 body rows of 2 groups, 302 bytes, so each scale buffer ends in a padded word
+    manifest = export_artifact(get("ios"), "bundled", tmp_path / "mixed", "hadamard", 199, float_weights=True,
                                config=OscarConfig(**mixed))
-    outputs = {row["name"]: row["shape"] for row in manifest["io"]["outputs"]}
-    assert [outputs[f"layer{i}_k_body_codes"][-1] for i in range(LAYERS)] == [64 * b // 32 for b in (2, 3, 4, 2)]
+    inputs = {row["name"]: row for row in manifest["io"]["inputs"]}
+    assert inputs["layer0_k_scale"]["shape"] == [2, 76] and inputs["layer0_k_scale"]["dtype"] == "int32"
+    outputs = {row["name"]: row for row in manifest["io"]["outputs"]}
+    assert [outputs[f"layer{i}_k_body_codes"]["shape"][-1] for i in range(LAYERS)] == [64 * b // 32
+                                                                                       for b in (2, 3, 4, 2)]
+    assert outputs["layer0_v_body_zero"]["shape"] == [2, "T", 2] and outputs["layer0_v_body_zero"]["dtype"] == "int32"
+    program = saved_program(load(tmp_path / "mixed"))
+    assert ios_lower.packed_float_ops(program, *ios_lower.packed_names(LAYERS, "float8_e4m3fn")) == []
     reference = reference_trace(tmp_path / "mixed", prompt[:100], 8)
     lm = CoreMLLM(load(tmp_path / "mixed"), "coreml-mil", LAYERS, 16, 32, manifest["max_chunk"])
     tokens, logits = lm.trace(prompt[:100], 8)

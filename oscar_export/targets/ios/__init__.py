@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import Lowered, Target, TargetOptions, register
+from ...ops.coreml import ROW_NAMES, SCALE_DTYPES
 
 LONG_CONTEXT = 32768  # the context at which the manifest states the cache's bits per element
 
@@ -30,17 +31,17 @@ def cache_bits_per_element(layout: list, layers: int, kv_heads: int, head_dim: i
 def io_layout(module, max_context: int, max_chunk: int) -> dict:
     """The model's inputs and outputs as the app sees them (docs/ios.md)."""
     from .lower import cache_inputs
-    from ...ops.coreml import ROW_NAMES
 
     h, d = module.kv_heads, module.head_dim
     groups = d // module.config.cluster_dim
+    scale_type = "int32" if module.config.scale_dtype == "float8_e4m3fn" else "float16"  # fp8: bytes 0..255
 
     def rows(config) -> dict:  # one layer's rows; its code words follow its own K width
         out = {"k_new": ([h, "T", d], "float16"), "v_new": ([h, "T", d], "float16")}
         for kind in ("k", "v"):
             out[f"{kind}_body_codes"] = ([h, "T", d * config.bits(kind) // 32], "int32")
-            out[f"{kind}_body_scale"] = ([h, "T", groups], "float16")
-            out[f"{kind}_body_zero"] = ([h, "T", groups], "float16")
+            out[f"{kind}_body_scale"] = ([h, "T", groups], scale_type)
+            out[f"{kind}_body_zero"] = ([h, "T", groups], scale_type)
         return out
 
     per_layer = [rows(config) for config in module.config.layers(len(module.layers))]
@@ -58,7 +59,7 @@ def io_layout(module, max_context: int, max_chunk: int) -> dict:
 
 class IosTarget(Target):
     name = "ios"
-    scale_dtypes = ("float16",)  # the Core ML rows' scale and zero inputs (ops/coreml.py)
+    scale_dtypes = SCALE_DTYPES  # the Core ML rows' scale and zero storage (ops/coreml.py)
     runtime = "coreml"
     description = ("an .mlpackage for Core ML on iPhone, iPad and Mac (iOS 18 / macOS 15) whose 2-bit cache is "
                    "app-held int32 buffers, 4-bit weights from coremltools.optimize, tokenizer and manifest.json")

@@ -21,7 +21,7 @@ import torch
 
 from ...sizes import KINDS
 from ...config import OscarInputError
-from ...ops.coreml import ROW_NAMES, RowsComposition, register_coreml_ops
+from ...ops.coreml import ROW_NAMES, RowsComposition, fp8_word_count, register_coreml_ops
 from ...export.graph import OscarCausalLM
 
 MODEL_FILE = "model.mlpackage"
@@ -29,11 +29,14 @@ _NUMPY = {torch.float16: np.float16, torch.int32: np.int32}
 
 
 def cache_inputs(module: OscarCausalLM, max_context: int) -> list[tuple[str, tuple[int, ...], type]]:
-    """(name, shape, numpy dtype) of every cache input: graph.py's layout with codes as int32 words."""
+    """(name, shape, numpy dtype) of every cache input: graph.py's layout with codes and fp8 scales and zeros as
+    int32 words."""
     out = []
     for name, shape, dtype in module.cache_spec(max_context):
-        if dtype == torch.uint8:  # D*bits/8 bytes, a multiple of 4 since cluster_dim >= 32 divides D
+        if name.endswith("_codes"):  # D*bits/8 bytes, a multiple of 4 since cluster_dim >= 32 divides D
             shape, dtype = (*shape[:-1], shape[-1] // 4), torch.int32
+        elif dtype == torch.uint8:  # fp8 scales or zeros, [H, B, G] bytes 4 to a word
+            shape, dtype = (shape[0], fp8_word_count(*shape[1:])), torch.int32
         out.append((name.replace(".", "_"), shape, _NUMPY[dtype]))
     return out
 
@@ -229,9 +232,11 @@ def packed_float_ops(mil_program, packed_inputs, packed_outputs) -> list[str]:
     return found
 
 
-def packed_names(layers: int) -> tuple[list[str], list[str]]:
-    """(packed-word input names, packed-word output names) of a converted model."""
-    inputs = [f"layer{i}_{kind}_codes" for i in range(layers) for kind in KINDS]
-    outputs = [f"layer{i}_{kind}_body_codes" for i in range(layers) for kind in KINDS]
+def packed_names(layers: int, scale_dtype: str = "float16") -> tuple[list[str], list[str]]:
+    """(packed-word input names, packed-word output names) of a converted model: the codes, and with fp8 scales
+    their scale and zero words and bytes."""
+    regions = ("codes", "scale", "zero") if scale_dtype == "float8_e4m3fn" else ("codes",)
+    inputs = [f"layer{i}_{kind}_{region}" for i in range(layers) for kind in KINDS for region in regions]
+    outputs = [f"layer{i}_{kind}_body_{region}" for i in range(layers) for kind in KINDS for region in regions]
     return inputs, outputs
 

@@ -8,14 +8,15 @@ feeds them with each chunk, and writes the rows the model returns into them by t
 
 from __future__ import annotations
 
+import json
 import platform
 from pathlib import Path
 
 import numpy as np
 
 from ...config import OscarInputError
-from ...export.artifact import GreedyLM
-from ...ops.coreml import ROW_NAMES, apply_rows
+from ...export.artifact import MANIFEST, GreedyLM, manifest_cache_layout
+from ...ops.coreml import ROW_NAMES, apply_rows, fp8_word_count
 from ...ops.attention import CACHE_NAMES
 
 RUNTIMES = ("coreml-mil", "coreml")
@@ -95,10 +96,16 @@ _ARRAY_TYPES = {65568: "float32", 65552: "float16", 131104: "int32"}  # Core ML'
 
 def program_io(directory) -> list[tuple[str, dict, int | None, int]]:
     """Target.program_io of an ios artifact: the model's cache inputs (code words read as the format's bytes), its
-    logits width where the description states it, and the longest chunk its input_ids take."""
+    logits width where the description states it, and the longest chunk its input_ids take.
+
+    fp8 scale and zero words hold [H, B, G] bytes flattened: the manifest's B and G read them where the word count
+    agrees, and a count that does not is reported as the program declares it."""
     from .lower import MODEL_FILE
 
     spec = load(directory).get_spec()
+    manifest = json.loads((Path(directory) / MANIFEST).read_text())
+    declared = {name: shape for name, shape, dtype in manifest_cache_layout(manifest)
+                if dtype == "uint8" and not name.endswith("_codes")}
     layout, max_chunk = {}, 0
     for feature in spec.description.input:
         array = feature.type.multiArrayType
@@ -107,9 +114,13 @@ def program_io(directory) -> list[tuple[str, dict, int | None, int]]:
             ranges = array.shapeRange.sizeRanges
             max_chunk = int(ranges[-1].upperBound) if ranges else shape[-1]
         elif feature.name != "length":
+            name = feature.name.replace("_", ".", 1)
             if feature.name.endswith("_codes") and dtype == "int32":  # int32 words hold the format's bytes
                 shape, dtype = (*shape[:-1], shape[-1] * 4), "uint8"
-            layout[feature.name.replace("_", ".", 1)] = (shape, dtype)
+            elif name in declared and dtype == "int32" and shape == (declared[name][0],
+                                                                     fp8_word_count(*declared[name][1:])):
+                shape, dtype = declared[name], "uint8"
+            layout[name] = (shape, dtype)
     logits = [f.type.multiArrayType.shape for f in spec.description.output if f.name == "logits"]
     return [(MODEL_FILE, layout, int(logits[0][-1]) if logits and logits[0] else None, max_chunk)]
 
