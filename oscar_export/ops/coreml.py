@@ -159,7 +159,9 @@ def fp8_values(byte: torch.Tensor) -> torch.Tensor:
 
 def fp8_from_words(words: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
     """int32 words [..., fp8_word_count(rows, groups)] -> fp32 [..., rows, groups]."""
-    byte = words_to_bytes(words).flatten(-2)[..., :rows * groups]
+    byte = words_to_bytes(words).flatten(-2)
+    if byte.shape[-1] != rows * groups:  # a slice of every byte decomposes to aten.alias, which Core ML lacks
+        byte = byte[..., :rows * groups]
     return fp8_values(byte).reshape(*words.shape[:-1], rows, groups)
 
 

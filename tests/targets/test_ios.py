@@ -126,20 +126,23 @@ def test_fp8_bytes_round_as_torch_casts():
 
 
 class Fp8Encode(torch.nn.Module):
-    """The fp8 scale path alone: values -> bytes, and bytes -> words -> values, as the program's outputs."""
+    """The fp8 scale path alone: values -> bytes, and bytes -> words -> values (3 x 2 bytes in two words, the
+    last padded, and 4 x 2 filling them), as the program's outputs."""
 
     def forward(self, x, words):
-        return coreml_ops.fp8_bytes(x), coreml_ops.fp8_from_words(words, 3, 2)
+        return (coreml_ops.fp8_bytes(x), coreml_ops.fp8_from_words(words, 3, 2),
+                coreml_ops.fp8_from_words(words, 4, 2))
 
 
 def test_fp8_bytes_convert_to_an_integer_program():
     """Converted by coremltools and executed by mil_eval: the same bytes as torch's cast, words decoded in the
-    format's order, and every op between the comparisons and the bytes integer."""
+    format's order, padded or not, and every op between the comparisons and the bytes integer."""
     coreml_ops.register_coreml_ops()
     x = fp8_edge_values()
-    raw = torch.tensor([[0x38, 0xB8, 0x01, 0x7E, 0xFE, 0x80, 0x11, 0x22]], dtype=torch.uint8)  # 6 bytes + padding
+    raw = torch.tensor([[0x38, 0xB8, 0x01, 0x7E, 0xFE, 0x80, 0x11, 0x22]], dtype=torch.uint8)
     words = raw.view(torch.int32)
     program = torch.export.export(Fp8Encode(), (x, words)).run_decompositions({})
+    assert ios_lower.unsupported_ops(program) == []
     mil = ct.convert(program, convert_to="milinternal", minimum_deployment_target=ct.target.iOS18,
                      compute_precision=ct.precision.FLOAT32)
     names = [var.name for var in mil.functions["main"].outputs]
@@ -147,7 +150,9 @@ def test_fp8_bytes_convert_to_an_integer_program():
     inside = x.abs() <= 448
     assert np.array_equal(out[names[0]][inside.numpy()],
                           x[inside].to(torch.float8_e4m3fn).view(torch.uint8).numpy().astype(np.int32))
-    assert np.array_equal(out[names[1]], raw[:, :6].view(torch.float8_e4m3fn).float().reshape(1, 3, 2).numpy())
+    values = raw.view(torch.float8_e4m3fn).float()
+    assert np.array_equal(out[names[1]], values[:, :6].reshape(1, 3, 2).numpy())
+    assert np.array_equal(out[names[2]], values.reshape(1, 4, 2).numpy())
     assert ios_lower.packed_float_ops(mil, ["words"], [names[0]]) == []
 
 
