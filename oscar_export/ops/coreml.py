@@ -310,10 +310,10 @@ def apply_rows(cache: dict[str, np.ndarray], rows: dict[str, np.ndarray], n0: in
     t = rows["k_new"].shape[1]
     n1 = n0 + t
     first, last = max(sink, n0 - recent), max(sink, n1 - recent)
-    fp8 = [f"{kind}_{region}" for kind in KINDS for region in ("scale", "zero") if cache[f"{kind}_{region}"].dtype ==
-           np.int32]
-    if last > first and any(np.isin(rows[f"{name[0]}_body_{name[2:]}"][:, :last - first], FP8_NAN).any()
-                            for name in fp8):
+    # fp8 scale and zero buffers (int32 words) by name, with the row output that feeds each
+    fp8 = {f"{kind}_{region}": f"{kind}_body_{region}" for kind in KINDS for region in ("scale", "zero")
+           if cache[f"{kind}_{region}"].dtype == np.int32}
+    if last > first and any(np.isin(rows[row][:, :last - first], FP8_NAN).any() for row in fp8.values()):
         raise scale_range_error("float8_e4m3fn")
     for kind in KINDS:
         chunk = rows[f"{kind}_new"]
