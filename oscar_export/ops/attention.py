@@ -36,6 +36,14 @@ INPUTS = tuple(name for name, _ in INPUT_DTYPES)
 SCALE_NAMES = ("k_scale", "k_zero", "v_scale", "v_zero")
 # The dtype of the op's scale and zero buffers for each scale_dtype it stores.
 BUFFER_SCALE_DTYPES = {name: getattr(torch, dtype) for name, dtype in SCALE_BUFFER_DTYPES.items()}
+# fp8 E4M3 for the lowerings that have no bitcast (ops/onnx.py, ops/coreml.py): every byte's value (0x7F and 0xFF
+# are NaN), and the midpoints between neighbouring non-negative finite values, exact in fp32 (neighbours have 4
+# significant bits, their midpoint 5). A magnitude's byte is the count of midpoints below it; a tie above an odd
+# byte rounds up, to the even one, as torch's cast does.
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+E4M3_MAX_BYTE = 126  # 448, the largest finite magnitude
+E4M3_MIDPOINTS = (E4M3_VALUES[:E4M3_MAX_BYTE] + E4M3_VALUES[1:E4M3_MAX_BYTE + 1]) * 0.5
+E4M3_TIE_UP = torch.arange(E4M3_MAX_BYTE) % 2 == 1
 
 
 def op_attributes(config: OscarConfig, scaling: float) -> dict:

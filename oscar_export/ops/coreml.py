@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 from ..config import OscarInputError
 from ..sizes import KINDS
 from ..codec import scale_range_error
-from .attention import ATTRIBUTES, attribute_config
+from .attention import ATTRIBUTES, E4M3_MAX_BYTE, E4M3_MIDPOINTS, E4M3_TIE_UP, E4M3_VALUES, attribute_config
 
 INT32_MIN = -(2**31)
 # The scale dtypes the rows store: fp16 as itself, fp8 E4M3 as bytes in int32 words.
@@ -126,11 +126,7 @@ def pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 # -- fp8 E4M3 scales and zeros: each byte an int32 0..255 in the rows, 4 to an int32 word in the cache --------
 
-# Every byte's value (0x7F and 0xFF are NaN), and the midpoints between consecutive non-negative finite values.
-FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-_FP8_MIDPOINTS = (FP8_VALUES[:126] + FP8_VALUES[1:127]) * 0.5
-_FP8_TIE_UP = torch.arange(126) % 2 == 1  # a value on a midpoint rounds to the even byte: up from an odd one
-FP8_MAX = 448.0
+FP8_MAX = float(E4M3_VALUES[E4M3_MAX_BYTE])
 FP8_NAN = (0x7F, 0xFF)
 
 
@@ -144,7 +140,7 @@ def fp8_bytes(x: torch.Tensor) -> torch.Tensor:
     past FP8_MAX gives a NaN byte, which the host refuses (apply_rows), as the codec refuses the value."""
     magnitude = torch.abs(x)
     m = magnitude.unsqueeze(-1)
-    passed = torch.where(_FP8_TIE_UP, m >= _FP8_MIDPOINTS, m > _FP8_MIDPOINTS).to(torch.int32)
+    passed = torch.where(E4M3_TIE_UP, m >= E4M3_MIDPOINTS, m > E4M3_MIDPOINTS).to(torch.int32)
     code = passed.sum(-1, dtype=torch.int32) + (magnitude > FP8_MAX).to(torch.int32)
     # 1/x keeps the sign of a zero, which torch's cast stores (0x80 for -0.0). A tensor numerator: torch turns
     # 1/x into reciprocal, which coremltools converts with an epsilon added to x.
@@ -154,7 +150,7 @@ def fp8_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def fp8_values(byte: torch.Tensor) -> torch.Tensor:
     """int32 bytes 0..255 -> their E4M3FN values in fp32, same shape."""
-    return FP8_VALUES[byte.flatten()].reshape(byte.shape)
+    return E4M3_VALUES[byte.flatten()].reshape(byte.shape)
 
 
 def fp8_from_words(words: torch.Tensor, rows: int, groups: int) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch
 from onnx.defs import OpSchema
 
 from ..config import OscarInputError
-from .attention import (ATTRIBUTES, BUFFER_SCALE_DTYPES, CACHE_NAMES, INPUT_DTYPES, INPUTS, SCALE_NAMES,
-                        attribute_config)
+from .attention import (ATTRIBUTES, BUFFER_SCALE_DTYPES, CACHE_NAMES, E4M3_MAX_BYTE, E4M3_MIDPOINTS, E4M3_TIE_UP,
+                        E4M3_VALUES, INPUT_DTYPES, INPUTS, SCALE_NAMES, attribute_config)
 
 DOMAIN = "oscar"
 OP = "OscarAttention"
@@ -120,18 +120,14 @@ def _static_shape(graph: onnx.GraphProto, name: str) -> list[int]:
 
 
 # fp8 E4M3 scales and zeros travel as their uint8 bits. Opset 20 has no BitCast, so bits -> value is a table of
-# all 256 (0x7F and 0xFF are NaN) and value -> bits counts the midpoints below |x|: both exact, as the midpoints
-# of neighbours with 4 significant bits have at most 5.
-_E4M3 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-_E4M3_TOP = 126  # the bits of 448, the largest finite magnitude
-_E4M3_MIDS = ((_E4M3[:_E4M3_TOP].double() + _E4M3[1:_E4M3_TOP + 1].double()) / 2).float()
-# A tie at the midpoint above an odd code goes up, to the even one; -1 never equals |x|.
-_E4M3_ODD_MIDS = torch.where(torch.arange(_E4M3_TOP) % 2 == 1, _E4M3_MIDS, -1.0)
+# all 256 and value -> bits counts the midpoints below |x| (ops/attention.py E4M3_VALUES, E4M3_MIDPOINTS).
+# The midpoints above odd bytes, where a tie goes up; -1 never equals |x|.
+_E4M3_ODD_MIDS = torch.where(E4M3_TIE_UP, E4M3_MIDPOINTS, -1.0)
 
 
 def e4m3_values(op, bits):
     """uint8 E4M3 bits -> fp32 values."""
-    return op.Gather(_constant(op, _E4M3), op.Cast(bits, to=ir.DataType.INT64), axis=0)
+    return op.Gather(_constant(op, E4M3_VALUES), op.Cast(bits, to=ir.DataType.INT64), axis=0)
 
 
 def e4m3_bits(op, x):
@@ -144,9 +140,9 @@ def e4m3_bits(op, x):
     def count(hits):
         return op.ReduceSum(op.Cast(hits, to=i64), [-1], keepdims=0)
 
-    code = op.Add(count(op.Greater(wide, _constant(op, _E4M3_MIDS))),
+    code = op.Add(count(op.Greater(wide, _constant(op, E4M3_MIDPOINTS))),
                   count(op.Equal(wide, _constant(op, _E4M3_ODD_MIDS))))
-    code = op.Where(op.LessOrEqual(mag, float(_E4M3[_E4M3_TOP])), code, 127)
+    code = op.Where(op.LessOrEqual(mag, float(E4M3_VALUES[E4M3_MAX_BYTE])), code, 127)
     negative = op.Less(op.Div(1.0, x), 0.0)  # -0 too: 1 / -0 = -inf
     return op.Cast(op.Add(op.Mul(op.Cast(negative, to=i64), 128), code), to=ir.DataType.UINT8)
 

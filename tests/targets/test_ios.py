@@ -24,7 +24,7 @@ from oscar_export.ops import coreml as coreml_ops  # noqa: E402
 from oscar_export.export.artifact import eager_module, load_manifest  # noqa: E402
 from oscar_export.targets.ios.runner import CoreMLLM, coreml_available, load  # noqa: E402
 from oscar_export.export.graph import OscarCausalLM  # noqa: E402
-from oscar_export.ops.attention import CACHE_NAMES, op_attributes  # noqa: E402
+from oscar_export.ops.attention import CACHE_NAMES, E4M3_VALUES, op_attributes  # noqa: E402
 from oscar_export.export.pipeline import export_artifact  # noqa: E402
 from oscar_export.run import reference_trace  # noqa: E402
 from oscar_export.targets import get  # noqa: E402
@@ -101,7 +101,7 @@ def test_int32_words_unpack_every_bit_pattern():
 def fp8_edge_values() -> torch.Tensor:
     """Every finite E4M3 value, the midpoints between neighbours (ties), one fp32 step either side of each, both
     signs, -0.0, fp32 subnormals and log-spaced values, and magnitudes just past 448."""
-    finite = coreml_ops.FP8_VALUES[:127]
+    finite = E4M3_VALUES[:127]
     mid = (finite[1:] + finite[:-1]) / 2
     steps = [torch.nextafter(v, torch.tensor(t)) for v in (finite, mid) for t in (-1e9, 1e9)]
     spread = torch.logspace(-44, 2.7, 4001, base=10.0)
